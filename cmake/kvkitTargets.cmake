@@ -1,0 +1,40 @@
+# The library targets. kvkit is header-only: every target is INTERFACE.
+#   kvkit::kvkit  core + policies + CPU kernels (C++17; Eigen3 when found)
+#   kvkit::cuda   adds CUDA::cudart for <kvkit/cuda.cuh>
+#   kvkit::redis  adds hiredis for the Redis block store
+include(GNUInstallDirs)
+
+add_library(kvkit INTERFACE)
+add_library(kvkit::kvkit ALIAS kvkit)
+target_include_directories(kvkit INTERFACE
+  $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+  $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+target_compile_features(kvkit INTERFACE cxx_std_17)
+find_package(Threads REQUIRED)
+target_link_libraries(kvkit INTERFACE Threads::Threads)
+find_package(Eigen3 3.3 CONFIG QUIET)
+if(TARGET Eigen3::Eigen)
+  target_link_libraries(kvkit INTERFACE Eigen3::Eigen)
+  target_compile_definitions(kvkit INTERFACE KVKIT_HAS_EIGEN=1)
+endif()
+set_target_properties(kvkit PROPERTIES EXPORT_NAME kvkit)
+
+# CUDA component: only when the toolkit is found.
+find_package(CUDAToolkit QUIET)
+if(CUDAToolkit_FOUND)
+  add_library(kvkit_cuda INTERFACE)
+  add_library(kvkit::cuda ALIAS kvkit_cuda)
+  target_link_libraries(kvkit_cuda INTERFACE kvkit CUDA::cudart)
+  set_target_properties(kvkit_cuda PROPERTIES EXPORT_NAME cuda)
+endif()
+
+# Redis component: hiredis has no CMake package on Debian 12's 0.14, so find it by hand.
+find_path(KVKIT_HIREDIS_INCLUDE_DIR hiredis/hiredis.h)
+find_library(KVKIT_HIREDIS_LIBRARY hiredis)
+if(KVKIT_HIREDIS_INCLUDE_DIR AND KVKIT_HIREDIS_LIBRARY)
+  add_library(kvkit_redis INTERFACE)
+  add_library(kvkit::redis ALIAS kvkit_redis)
+  target_include_directories(kvkit_redis INTERFACE $<BUILD_INTERFACE:${KVKIT_HIREDIS_INCLUDE_DIR}>)
+  target_link_libraries(kvkit_redis INTERFACE kvkit $<BUILD_INTERFACE:${KVKIT_HIREDIS_LIBRARY}>)
+  set_target_properties(kvkit_redis PROPERTIES EXPORT_NAME redis)
+endif()

@@ -1,0 +1,154 @@
+#pragma once
+// Element types of KV memory: float, IEEE binary16 (`half_t`) and bfloat16 (`bfloat16_t`).
+//
+// The 16-bit types are plain 2-byte storage with round-to-nearest-even conversion
+// written out bit by bit, so core/ depends on nothing (no Eigen, no CUDA headers) and
+// the same bytes mean the same value on host and device. They are layout-compatible
+// with Eigen::half / __half and Eigen::bfloat16 / __nv_bfloat16; CUDA kernels
+// reinterpret device pointers to those types. Arithmetic always accumulates in float.
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kvkit/core/config.hpp"
+
+namespace kvkit {
+
+/// Runtime tag of an element type (stored in block headers, printed in errors).
+enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline const char* to_string(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+inline int dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+namespace detail {
+
+KVKIT_HOST_DEVICE std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+KVKIT_HOST_DEVICE float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE binary32 -> binary16, round to nearest even, overflow to inf, NaN kept quiet.
+KVKIT_HOST_DEVICE std::uint16_t float_to_half_bits(float f) {
+  const std::uint32_t x = float_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  const std::uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf or nan
+    return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+  }
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {  // result is subnormal or zero
+    if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);  // below half of min subnormal
+    const std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
+    const int shift = 126 - static_cast<int>(abs >> 23);  // 14..24
+    std::uint32_t h = mant >> shift;
+    const std::uint32_t rem = mant & ((1u << shift) - 1u);
+    const std::uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) ++h;
+    return static_cast<std::uint16_t>(sign | h);
+  }
+  std::uint32_t h = ((abs - 0x38000000u) >> 13);  // rebias exponent 127 -> 15
+  const std::uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+KVKIT_HOST_DEVICE float half_bits_to_float(std::uint16_t h) {
+  const std::uint32_t sign = (static_cast<std::uint32_t>(h) & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_float(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return bits_float(sign);
+    // subnormal: value = mant * 2^-24
+    float v = static_cast<float>(mant) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+KVKIT_HOST_DEVICE std::uint16_t float_to_bf16_bits(float f) {
+  const std::uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);
+  const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<std::uint16_t>((x + rounding) >> 16);
+}
+
+KVKIT_HOST_DEVICE float bf16_bits_to_float(std::uint16_t b) {
+  return bits_float(static_cast<std::uint32_t>(b) << 16);
+}
+
+}  // namespace detail
+
+/// IEEE binary16 storage. Converts to/from float; no arithmetic operators on purpose.
+struct half_t {
+  std::uint16_t bits;
+  half_t() = default;
+  KVKIT_HOST_DEVICE explicit half_t(float f) : bits(detail::float_to_half_bits(f)) {}
+  KVKIT_HOST_DEVICE explicit operator float() const { return detail::half_bits_to_float(bits); }
+  KVKIT_HOST_DEVICE static half_t from_bits(std::uint16_t b) {
+    half_t h;
+    h.bits = b;
+    return h;
+  }
+};
+
+/// bfloat16 storage (the top 16 bits of a float32, rounded to nearest even).
+struct bfloat16_t {
+  std::uint16_t bits;
+  bfloat16_t() = default;
+  KVKIT_HOST_DEVICE explicit bfloat16_t(float f) : bits(detail::float_to_bf16_bits(f)) {}
+  KVKIT_HOST_DEVICE explicit operator float() const { return detail::bf16_bits_to_float(bits); }
+  KVKIT_HOST_DEVICE static bfloat16_t from_bits(std::uint16_t b) {
+    bfloat16_t h;
+    h.bits = b;
+    return h;
+  }
+};
+
+static_assert(sizeof(half_t) == 2 && std::is_trivially_copyable<half_t>::value, "half_t layout");
+static_assert(sizeof(bfloat16_t) == 2 && std::is_trivially_copyable<bfloat16_t>::value, "bf16 layout");
+
+/// Element conversions used by every kernel: load to float, store from float.
+KVKIT_HOST_DEVICE float to_float(float x) { return x; }
+KVKIT_HOST_DEVICE float to_float(half_t x) { return static_cast<float>(x); }
+KVKIT_HOST_DEVICE float to_float(bfloat16_t x) { return static_cast<float>(x); }
+
+template <class T>
+KVKIT_HOST_DEVICE T from_float(float x) {
+  return T(x);
+}
+
+/// Compile-time map from element type to its DType tag.
+template <class T>
+struct dtype_of;
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::kFloat32;
+};
+template <>
+struct dtype_of<half_t> {
+  static constexpr DType value = DType::kFloat16;
+};
+template <>
+struct dtype_of<bfloat16_t> {
+  static constexpr DType value = DType::kBFloat16;
+};
+template <class T>
+inline constexpr DType dtype_of_v = dtype_of<std::remove_cv_t<T>>::value;
+
+}  // namespace kvkit
