@@ -2,14 +2,14 @@
 
 # Warnings as errors for the project's own targets.
 add_library(kvkit_dev_flags INTERFACE)
+# CXX-only (nvcc gets its own flags in tests/cuda); quoted lists keep each genex whole.
 target_compile_options(kvkit_dev_flags INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror>)
+  "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra;-Werror>")
 if(KVKIT_SANITIZE)
+  # -Wno-maybe-uninitialized: GCC 12 reports a false positive inside libstdc++'s <regex>
+  # (pulled in by Catch2) once the sanitizers change inlining; it is not kvkit code.
   target_compile_options(kvkit_dev_flags INTERFACE
-    $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
-    # GCC 12 reports a false "may be used uninitialized" inside libstdc++'s <regex>
-    # (pulled in by Catch2) once sanitizers change inlining; it is not kvkit code.
-    -Wno-maybe-uninitialized>)
+    "$<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined;-fno-sanitize-recover=all;-fno-omit-frame-pointer;-Wno-maybe-uninitialized>")
   target_link_options(kvkit_dev_flags INTERFACE -fsanitize=address,undefined)
 endif()
 
