@@ -1,0 +1,221 @@
+#pragma once
+// Model: the llama forward pass for one new token per sequence, over a batch, reading
+// and writing K/V through kvkit's paged views.
+//
+// Per layer: RMSNorm (eps 1e-5) -> q, k, v projections -> RoPE (theta 10000, rotating
+// the pairs (2i, 2i+1) inside each head, as llama2.c does) -> kvkit::write_kv stores the
+// new k, v at each sequence's slot -> kvkit::paged_decode_attention (GQA, softmax scale
+// 1/sqrt(head_dim)) -> output projection + residual -> RMSNorm -> SwiGLU FFN + residual.
+// Finally RMSNorm and the classifier. The projections are Eigen matrix products over the
+// whole batch (columns = sequences); everything is float32.
+//
+// The caller (Engine) owns the KV memory and the page tables; the model only sees one
+// PagedKVView per layer whose page table already includes the new token.
+
+#include <Eigen/Dense>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/checkpoint.hpp"
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/exec.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/core/workspace.hpp"
+#include "kvkit/kernels/cpu.hpp"
+#include "kvkit/kernels/params.hpp"
+
+namespace kvkit {
+namespace engine {
+
+/// The new tokens of one forward step.
+struct ForwardBatch {
+  std::int32_t batch = 0;                   // sequences in this step (= view batch_size)
+  const std::int32_t* tokens = nullptr;     // [batch] input token ids
+  const std::int32_t* positions = nullptr;  // [batch] RoPE positions (tokens seen before)
+  const std::int64_t* slots = nullptr;      // [batch] slot (page * page_size + offset) of the new K/V
+};
+
+/// Replaces the dense paged attention of one layer (a page-subset or packed-channel
+/// attention, for example). q and out are [batch, n_heads, head_dim]; the view already
+/// holds this step's K/V.
+using AttentionFn = std::function<Status(int layer, PagedKVView<float> view,
+                                         const float* q /* [batch, Hq, D] */,
+                                         float* out /* [batch, Hq, D] */)>;
+
+class Model {
+ public:
+  static constexpr float kRmsEps = 1e-5f;
+  static constexpr double kRopeTheta = 10000.0;
+
+  /// Shares the checkpoint (many engines may run one model). `threads` is passed to
+  /// kvkit::exec::Host for the KV kernels.
+  explicit Model(std::shared_ptr<const Checkpoint> ckpt, int threads = 1)
+      : ck_(std::move(ckpt)), threads_(threads) {
+    KVKIT_CHECK(ck_ != nullptr, "kvkit: Model needs a checkpoint");
+    const ModelConfig& c = ck_->config();
+    validate_config(c, ck_->source());
+    const int half = c.head_dim() / 2;
+    rope_cos_.resize(static_cast<std::size_t>(c.seq_len) * half);
+    rope_sin_.resize(rope_cos_.size());
+    for (int pos = 0; pos < c.seq_len; ++pos)
+      for (int j = 0; j < half; ++j) {
+        const double freq = std::pow(kRopeTheta, -2.0 * j / c.head_dim());
+        const double angle = pos * freq;
+        rope_cos_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::cos(angle));
+        rope_sin_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::sin(angle));
+      }
+    q_.resize(static_cast<std::size_t>(c.n_layers));
+  }
+
+  const ModelConfig& config() const { return ck_->config(); }
+  const Checkpoint& checkpoint() const { return *ck_; }
+  std::shared_ptr<const Checkpoint> checkpoint_ptr() const { return ck_; }
+  exec::Host exec() const { return exec::Host{threads_}; }
+  DecodeAttentionParams attention_params() const {
+    return DecodeAttentionParams{config().n_heads,
+                                 1.f / std::sqrt(static_cast<float>(config().head_dim()))};
+  }
+
+  /// Sizes the scratch buffers for batches up to `max_batch` (forward grows them otherwise).
+  void reserve(std::int32_t max_batch) { ensure_scratch(max_batch); }
+
+  /// Runs one step. `views` holds one view per layer, each with batch_size == in.batch and
+  /// a page table whose sequence b already counts the new token (its slot is in.slots[b]).
+  /// Writes logits [batch, vocab]; `attention`, when set, replaces the dense attention.
+  /// Returns the first failing kernel's Status.
+  Status forward(const ForwardBatch& in, const PagedKVView<float>* views /* [n_layers] */,
+                 float* logits /* [batch, vocab] */, const AttentionFn* attention = nullptr) {
+    const ModelConfig& c = config();
+    const std::int32_t B = in.batch;
+    KVKIT_CHECK_STATUS(B > 0, StatusCode::kInvalidArgument, "batch must be > 0, got ", B);
+    for (std::int32_t b = 0; b < B; ++b) {
+      KVKIT_CHECK_STATUS(in.tokens[b] >= 0 && in.tokens[b] < c.vocab_size, StatusCode::kOutOfRange,
+                         "token id ", in.tokens[b], " outside the vocabulary [0, ", c.vocab_size, ")");
+      KVKIT_CHECK_STATUS(in.positions[b] >= 0 && in.positions[b] < c.seq_len,
+                         StatusCode::kOutOfRange, "position ", in.positions[b],
+                         " outside the model's seq_len ", c.seq_len);
+    }
+    ensure_scratch(B);
+    last_batch_ = B;
+    using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using W = Eigen::Map<const RowMat>;
+    using M = Eigen::Map<Eigen::MatrixXf>;
+    const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
+    M x(x_.data(), dim, B), xb(xb_.data(), dim, B), att(att_.data(), dim, B);
+    M k(k_.data(), kv, B), v(v_.data(), kv, B), h1(h1_.data(), hid, B), h3(h3_.data(), hid, B);
+
+    for (std::int32_t b = 0; b < B; ++b)
+      x.col(b) = Eigen::Map<const Eigen::VectorXf>(
+          ck_->token_embedding() + static_cast<std::size_t>(in.tokens[b]) * dim, dim);
+
+    const exec::Host ex = exec();
+    const DecodeAttentionParams ap = attention_params();
+    for (int l = 0; l < c.n_layers; ++l) {
+      const PagedKVView<float>& view = views[l];
+      KVKIT_CHECK_STATUS(view.batch_size == B && view.num_kv_heads == c.n_kv_heads &&
+                             view.head_dim == hd,
+                         StatusCode::kInvalidArgument, "layer ", l, " view (batch ",
+                         view.batch_size, ", kv heads ", view.num_kv_heads, ", head_dim ",
+                         view.head_dim, ") does not match the step (batch ", B, ", kv heads ",
+                         c.n_kv_heads, ", head_dim ", hd, ")");
+      M q(q_[static_cast<std::size_t>(l)].data(), dim, B);
+      rmsnorm(x, ck_->rms_att(l), xb);
+      matvec(W(ck_->wq(l), dim, dim), xb, q);
+      matvec(W(ck_->wk(l), kv, dim), xb, k);
+      matvec(W(ck_->wv(l), kv, dim), xb, v);
+      for (std::int32_t b = 0; b < B; ++b) {
+        rope(q.col(b).data(), c.n_heads, in.positions[b]);
+        rope(k.col(b).data(), c.n_kv_heads, in.positions[b]);
+      }
+      KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), in.slots, B,
+                                     static_cast<std::int64_t>(kv)));
+      if (attention != nullptr && *attention) {
+        KVKIT_RETURN_IF_ERROR((*attention)(l, view, q.data(), att.data()));
+      } else {
+        const std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
+        if (ws_.size() < need) ws_.resize(need);
+        KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q.data(), att.data(), ap,
+                                                     Workspace{ws_.data(), ws_.size()}));
+      }
+      matvec(W(ck_->wo(l), dim, dim), att, xb);
+      x += xb;
+      rmsnorm(x, ck_->rms_ffn(l), xb);
+      matvec(W(ck_->w1(l), hid, dim), xb, h1);
+      matvec(W(ck_->w3(l), hid, dim), xb, h3);
+      h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
+      matvec(W(ck_->w2(l), dim, hid), h1, xb);
+      x += xb;
+    }
+    rmsnorm(x, ck_->rms_final(), xb);
+    M out(logits, c.vocab_size, B);
+    matvec(W(ck_->classifier(), c.vocab_size, dim), xb, out);
+    return Status::ok();
+  }
+
+  /// Post-RoPE queries of layer `layer` from the last forward, [last_batch(), Hq, D].
+  const float* queries(int layer) const { return q_.at(static_cast<std::size_t>(layer)).data(); }
+  std::int32_t last_batch() const { return last_batch_; }
+
+ private:
+  void ensure_scratch(std::int32_t B) {
+    if (B <= capacity_) return;
+    const ModelConfig& c = config();
+    const std::size_t nb = static_cast<std::size_t>(B);
+    x_.resize(nb * c.dim);
+    xb_.resize(nb * c.dim);
+    att_.resize(nb * c.dim);
+    k_.resize(nb * c.kv_dim());
+    v_.resize(nb * c.kv_dim());
+    h1_.resize(nb * c.hidden_dim);
+    h3_.resize(nb * c.hidden_dim);
+    for (auto& q : q_) q.resize(nb * c.dim);
+    capacity_ = B;
+  }
+
+  // y.col(b) = w * x.col(b), one matrix-vector product per sequence: a GEMM over the batch
+  // would round differently for different batch sizes, and a sequence's tokens must not
+  // depend on what it is batched with.
+  template <class Mat, class In, class Out>
+  static void matvec(const Mat& w, const In& x, Out& y) {
+    for (Eigen::Index b = 0; b < x.cols(); ++b) y.col(b).noalias() = w * x.col(b);
+  }
+
+  template <class In, class Out>
+  void rmsnorm(const In& x, const float* weight /* [dim] */, Out& y) const {
+    const int dim = config().dim;
+    Eigen::Map<const Eigen::VectorXf> w(weight, dim);
+    for (Eigen::Index b = 0; b < x.cols(); ++b) {
+      const float ss = x.col(b).squaredNorm() / static_cast<float>(dim) + kRmsEps;
+      y.col(b) = x.col(b).cwiseProduct(w) * (1.f / std::sqrt(ss));
+    }
+  }
+
+  // Rotates pairs (2j, 2j+1) of each head of `vec` ([heads, head_dim]) by pos * freq_j.
+  void rope(float* vec /* [heads, head_dim] */, int heads, std::int32_t pos) const {
+    const int hd = config().head_dim(), half = hd / 2;
+    const float* cs = rope_cos_.data() + static_cast<std::size_t>(pos) * half;
+    const float* sn = rope_sin_.data() + static_cast<std::size_t>(pos) * half;
+    for (int h = 0; h < heads; ++h) {
+      float* p = vec + static_cast<std::size_t>(h) * hd;
+      for (int j = 0; j < half; ++j) {
+        const float a = p[2 * j], b = p[2 * j + 1];
+        p[2 * j] = a * cs[j] - b * sn[j];
+        p[2 * j + 1] = a * sn[j] + b * cs[j];
+      }
+    }
+  }
+
+  std::shared_ptr<const Checkpoint> ck_;
+  int threads_ = 1;
+  std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_dim / 2]
+  std::int32_t capacity_ = 0, last_batch_ = 0;
+  std::vector<float> x_, xb_, att_, k_, v_, h1_, h3_;  // [batch, width] each
+  std::vector<std::vector<float>> q_;                  // [n_layers][batch, Hq, D]
+  std::vector<unsigned char> ws_;                      // attention workspace
+};
+
+}  // namespace engine
+}  // namespace kvkit
