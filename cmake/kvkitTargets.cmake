@@ -14,9 +14,14 @@ find_package(Threads REQUIRED)
 target_link_libraries(kvkit INTERFACE Threads::Threads)
 find_package(Eigen3 3.3 CONFIG QUIET)
 if(TARGET Eigen3::Eigen)
-  target_link_libraries(kvkit INTERFACE Eigen3::Eigen)
-  target_compile_definitions(kvkit INTERFACE KVKIT_HAS_EIGEN=1)
+  target_link_libraries(kvkit INTERFACE $<BUILD_INTERFACE:Eigen3::Eigen>)
+  target_compile_definitions(kvkit INTERFACE $<BUILD_INTERFACE:KVKIT_HAS_EIGEN=1>)
 endif()
+# Installed package: Eigen is optional and decided on the consumer's machine
+# (kvkitConfig.cmake looks for it), not baked in from this one.
+target_link_libraries(kvkit INTERFACE $<INSTALL_INTERFACE:$<TARGET_NAME_IF_EXISTS:Eigen3::Eigen>>)
+target_compile_definitions(kvkit INTERFACE
+  $<INSTALL_INTERFACE:$<$<TARGET_EXISTS:Eigen3::Eigen>:KVKIT_HAS_EIGEN=1>>)
 set_target_properties(kvkit PROPERTIES EXPORT_NAME kvkit)
 
 # CUDA component: only when the toolkit is found.
@@ -28,13 +33,13 @@ if(CUDAToolkit_FOUND)
   set_target_properties(kvkit_cuda PROPERTIES EXPORT_NAME cuda)
 endif()
 
-# Redis component: hiredis has no CMake package on Debian 12's 0.14, so find it by hand.
-find_path(KVKIT_HIREDIS_INCLUDE_DIR hiredis/hiredis.h)
-find_library(KVKIT_HIREDIS_LIBRARY hiredis)
-if(KVKIT_HIREDIS_INCLUDE_DIR AND KVKIT_HIREDIS_LIBRARY)
+# Redis component: hiredis has no CMake package on Debian 12's 0.14, so
+# kvkit_find_hiredis() finds it by hand and wraps it as the imported kvkit::hiredis.
+include(${CMAKE_CURRENT_LIST_DIR}/kvkitHiredis.cmake)
+kvkit_find_hiredis()
+if(KVKIT_HIREDIS_FOUND)
   add_library(kvkit_redis INTERFACE)
   add_library(kvkit::redis ALIAS kvkit_redis)
-  target_include_directories(kvkit_redis INTERFACE $<BUILD_INTERFACE:${KVKIT_HIREDIS_INCLUDE_DIR}>)
-  target_link_libraries(kvkit_redis INTERFACE kvkit $<BUILD_INTERFACE:${KVKIT_HIREDIS_LIBRARY}>)
+  target_link_libraries(kvkit_redis INTERFACE kvkit kvkit::hiredis)
   set_target_properties(kvkit_redis PROPERTIES EXPORT_NAME redis)
 endif()
