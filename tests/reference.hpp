@@ -33,6 +33,14 @@ inline std::uint64_t test_seed() {
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
 }
 
+/// Declares `std::mt19937_64 name` seeded by test_seed() and logs the seed for every
+/// failure in the enclosing block (a macro because Catch's INFO is scoped to the block it
+/// is written in). The including file must include <catch2/catch.hpp>.
+#define KVKIT_TEST_RNG(name)                                     \
+  const std::uint64_t name##_seed = ::kvkit::test::test_seed(); \
+  INFO("seed " << name##_seed);                                 \
+  std::mt19937_64 name(name##_seed)
+
 template <class T>
 inline double to_double(T x) {
   return static_cast<double>(to_float(x));

@@ -1,8 +1,10 @@
 // CPU kernels (kernels/cpu) against float64 / exact references on random pools.
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvkit/kernels/cpu.hpp"
@@ -38,14 +40,30 @@ std::vector<unsigned char> workspace_bytes(std::size_t n) {
   return std::vector<unsigned char>(n + 1);
 }
 
+/// Two pools with identical contents and page tables (one sub-seed drawn from rng), for
+/// running one operation with different thread counts. Moving keeps their views valid.
+template <class T>
+std::pair<RandomPool<T>, RandomPool<T>> twin_pools(const PoolSpec& spec, std::mt19937_64& rng) {
+  const std::uint64_t seed = rng();
+  std::mt19937_64 ra(seed), rb(seed);
+  return {RandomPool<T>(spec, ra), RandomPool<T>(spec, rb)};
+}
+
+/// Requires the whole K and V storage of `pool` (padding and unused pages included) to
+/// equal the expected arrays bit for bit.
+template <class T>
+void require_pool_equals(const RandomPool<T>& pool, const std::vector<T>& want_k,
+                         const std::vector<T>& want_v) {
+  REQUIRE(bitwise_equal(pool.k, want_k));
+  REQUIRE(bitwise_equal(pool.v, want_v));
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("write_kv scatters rows by slot mapping and skips padding", "[cpu][write_kv]",
                    float, half_t, bfloat16_t) {
   using T = TestType;
-  const std::uint64_t seed = test_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
     for (std::int32_t ps : {1, 16})
       for (std::int32_t dim : {8, 64, 128})
@@ -54,9 +72,7 @@ TEMPLATE_TEST_CASE("write_kv scatters rows by slot mapping and skips padding", "
           PoolSpec spec =
               make_spec(layout, PageTableKind::kBlockTable, 2, dim, ps, {ps + 3, 2 * ps});
           spec.row_padding = pad;
-          const std::uint64_t pool_seed = rng();
-          std::mt19937_64 ra(pool_seed), rb(pool_seed);
-          RandomPool<T> a(spec, ra), b(spec, rb);
+          auto [a, b] = twin_pools<T>(spec, rng);
           const std::int32_t num_slots = a.geometry.num_pages * ps;
           const std::int32_t n = std::min(20, num_slots);
           std::vector<std::int32_t> picks = random_distinct(n, num_slots, rng);
@@ -80,21 +96,17 @@ TEMPLATE_TEST_CASE("write_kv scatters rows by slot mapping and skips padding", "
           }
           REQUIRE(write_kv(exec::Host{1}, a.view, key.data(), value.data(), slots.data(), n, stride)
                       .is_ok());
-          REQUIRE(bitwise_equal(a.k, want_k));
-          REQUIRE(bitwise_equal(a.v, want_v));
+          require_pool_equals(a, want_k, want_v);
           REQUIRE(write_kv(exec::Host{3}, b.view, key.data(), value.data(), slots.data(), n, stride)
                       .is_ok());
-          REQUIRE(bitwise_equal(b.k, want_k));
-          REQUIRE(bitwise_equal(b.v, want_v));
+          require_pool_equals(b, want_k, want_v);
         }
 }
 
 TEMPLATE_TEST_CASE("paged_decode_attention matches the float64 reference", "[cpu][attention]",
                    float, half_t, bfloat16_t) {
   using T = TestType;
-  const std::uint64_t seed = test_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   const std::int32_t hkv = 2;
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
     for (PageTableKind table : {PageTableKind::kCsr, PageTableKind::kBlockTable})
@@ -141,9 +153,7 @@ TEMPLATE_TEST_CASE("paged_decode_attention matches the float64 reference", "[cpu
 TEMPLATE_TEST_CASE("gather_tokens copies selected tokens head-major", "[cpu][gather]", float,
                    half_t, bfloat16_t) {
   using T = TestType;
-  const std::uint64_t seed = test_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
     for (PageTableKind table : {PageTableKind::kCsr, PageTableKind::kBlockTable})
       for (std::int32_t ps : {1, 16})
@@ -242,9 +252,7 @@ KeepLists random_keeps(const RandomPool<T>& pool, KeepMode mode, std::mt19937_64
 TEMPLATE_TEST_CASE("compact_tokens keeps the listed tokens per head and nothing else moves",
                    "[cpu][compact]", float, half_t, bfloat16_t) {
   using T = TestType;
-  const std::uint64_t seed = test_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
     for (PageTableKind table : {PageTableKind::kCsr, PageTableKind::kBlockTable})
       for (std::int32_t ps : {1, 16})
@@ -252,9 +260,7 @@ TEMPLATE_TEST_CASE("compact_tokens keeps the listed tokens per head and nothing 
           for (KeepMode mode : {KeepMode::kAscending, KeepMode::kArbitrary, KeepMode::kMixed}) {
             CAPTURE(to_string(layout), table_name(table), ps, dim, static_cast<int>(mode));
             const PoolSpec spec = make_spec(layout, table, 2, dim, ps, ragged_lens(ps, rng));
-            const std::uint64_t pool_seed = rng();
-            std::mt19937_64 ra(pool_seed), rb(pool_seed);
-            RandomPool<T> a(spec, ra), b(spec, rb);
+            auto [a, b] = twin_pools<T>(spec, rng);
             const KeepLists kl = random_keeps(a, mode, rng);
             std::vector<T> want_k = a.k, want_v = a.v;
             for (std::int32_t s = 0; s < a.batch_size(); ++s)
@@ -277,8 +283,7 @@ TEMPLATE_TEST_CASE("compact_tokens keeps the listed tokens per head and nothing 
                           .is_ok());
               // whole pools: kept prefixes moved, everything else (tails, other pages,
               // padding) bit-identical
-              REQUIRE(bitwise_equal(pool.k, want_k));
-              REQUIRE(bitwise_equal(pool.v, want_v));
+              require_pool_equals(pool, want_k, want_v);
             }
           }
 }
@@ -286,9 +291,7 @@ TEMPLATE_TEST_CASE("compact_tokens keeps the listed tokens per head and nothing 
 TEMPLATE_TEST_CASE("copy_pages copies whole pages and nothing else", "[cpu][copy_pages]", float,
                    half_t, bfloat16_t) {
   using T = TestType;
-  const std::uint64_t seed = test_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
     for (std::int32_t ps : {1, 16})
       for (std::int32_t row_pad : {0, 2})
@@ -298,9 +301,7 @@ TEMPLATE_TEST_CASE("copy_pages copies whole pages and nothing else", "[cpu][copy
           spec.spare_pages = 4;
           spec.row_padding = row_pad;
           spec.page_padding = page_pad;
-          const std::uint64_t pool_seed = rng();
-          std::mt19937_64 ra(pool_seed), rb(pool_seed);
-          RandomPool<T> a(spec, ra), b(spec, rb);
+          auto [a, b] = twin_pools<T>(spec, rng);
           // sources from used pages (page 0 of seq 0 twice: a copy-on-write fork), dsts free
           std::vector<std::int32_t> src{a.pages[0][0], a.pages[0][0], a.pages[1][1], a.pages[0][2]};
           std::vector<std::int32_t> dst(a.free_pages.begin(), a.free_pages.begin() + 4);
@@ -314,17 +315,13 @@ TEMPLATE_TEST_CASE("copy_pages copies whole pages and nothing else", "[cpu][copy
                 }
           REQUIRE(copy_pages(exec::Host{1}, a.view, src.data(), dst.data(), 4).is_ok());
           REQUIRE(copy_pages(exec::Host{3}, b.view, src.data(), dst.data(), 4).is_ok());
-          REQUIRE(bitwise_equal(a.k, want_k));
-          REQUIRE(bitwise_equal(a.v, want_v));
-          REQUIRE(bitwise_equal(b.k, want_k));
-          REQUIRE(bitwise_equal(b.v, want_v));
+          require_pool_equals(a, want_k, want_v);
+          require_pool_equals(b, want_k, want_v);
         }
 }
 
 TEST_CASE("CPU kernels reject bad input with the bad value and change nothing", "[cpu][errors]") {
-  const std::uint64_t seed = test_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   for (PageTableKind table : {PageTableKind::kCsr, PageTableKind::kBlockTable}) {
     CAPTURE(table_name(table));
     RandomPool<float> pool(make_spec(KVLayout::kNHD, table, 2, 8, 4, {5, 8, 0}), rng);
@@ -462,6 +459,47 @@ TEST_CASE("CPU kernels reject bad input with the bad value and change nothing", 
       REQUIRE_THAT(st.message(), Catch::Contains("-2"));
     }
   }
+}
+
+TEST_CASE("CPU kernels refuse page tables whose sizes overflow int32", "[cpu][errors]") {
+  const exec::Host ex{2};
+  std::vector<float> k(16), v(16);  // never read: the tables are refused first
+  std::vector<float> q(4, 0.5f), out(4), gk(4), gv(4);
+  std::vector<unsigned char> ws(1 << 12);
+  const Workspace w{ws.data(), ws.size()};
+  const DecodeAttentionParams p{1, 1.f};
+  std::vector<std::int32_t> ids{100};
+  auto expect = [](const Status& st, const std::string& value) {
+    INFO(st.to_string());
+    REQUIRE(st.code() == StatusCode::kOutOfRange);
+    REQUIRE_THAT(st.message(), Catch::Contains(value));
+  };
+
+  // Block table: INT32_MAX tokens on rows of 4 pages. A wrapped page count used to pass
+  // the row check, and token 100 was then read from past the row.
+  const KVGeometry g{1, 1, 16, 4};
+  const KVStrides s = packed_strides(g, KVLayout::kNHD);
+  std::vector<std::int32_t> table{0, 1, 2, 3}, lens{std::numeric_limits<std::int32_t>::max()};
+  const auto dense = make_block_table_view(g, k.data(), s, v.data(), s,
+                                           BlockTable{table.data(), 4, lens.data(), 1});
+  expect(gather_tokens(ex, dense, 0, ids.data(), 1, gk.data(), gv.data()), "needs 134217728 pages");
+  expect(paged_decode_attention(ex, dense, q.data(), out.data(), p, w), "needs 134217728 pages");
+
+  // CSR: 3 pages of 2^30 tokens. seq_len() used to wrap negative, and attention returned ok
+  // with an empty-sequence result.
+  const KVGeometry big{1, 1, 1 << 30, 4};
+  const KVStrides bs = packed_strides(big, KVLayout::kNHD);
+  std::vector<std::int32_t> indptr{0, 3, 3}, indices{0, 1, 2}, last{1 << 30, 1};
+  const auto csr = make_csr_view(big, k.data(), bs, v.data(), bs,
+                                 CsrPageTable{indptr.data(), indices.data(), last.data(), 2});
+  expect(paged_decode_attention(ex, csr, q.data(), out.data(), p, w), "holds 3221225472 tokens");
+  expect(gather_tokens(ex, csr, 0, ids.data(), 1, gk.data(), gv.data()), "holds 3221225472 tokens");
+  std::vector<std::int32_t> keep(4, 0), num_keep{1, 0};
+  expect(compact_tokens(ex, csr, keep.data(), num_keep.data(), 2, w), "holds 3221225472 tokens");
+
+  // CSR indptr whose difference overflows (2147483647 - (-1)): named, never subtracted.
+  indptr = {0, -1, std::numeric_limits<std::int32_t>::max()};
+  expect(gather_tokens(ex, csr, 1, ids.data(), 1, gk.data(), gv.data()), "-1 -> 2147483647");
 }
 
 TEST_CASE("parallel_for covers every item exactly once", "[cpu][parallel]") {

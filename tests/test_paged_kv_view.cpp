@@ -1,4 +1,5 @@
 #include <catch2/catch.hpp>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -68,6 +69,32 @@ TEST_CASE("bad geometry and tables throw kvkit::Error naming the value", "[view]
   std::vector<int32_t> table{0, 1}, lens{13};
   auto dense = make_block_table_view(good, k.data(), s, v.data(), s, BlockTable{table.data(), 2, lens.data(), 1});
   REQUIRE_THROWS_WITH(dense.validate_page_table(), Catch::Contains("needs 4 pages but block table rows hold 2"));
+}
+
+TEST_CASE("page tables whose lengths overflow int32 are refused, not wrapped", "[view][errors]") {
+  std::vector<float> k(16), v(16);  // never read: the tables are refused first
+  // Block table: INT32_MAX tokens need 134217728 pages of 16 (len + 15 must not wrap to a
+  // negative page count that passes the row check).
+  const KVGeometry g{1, 1, 16, 4};
+  const KVStrides s = packed_strides(g, KVLayout::kNHD);
+  std::vector<int32_t> table{0, 1, 2, 3}, lens{std::numeric_limits<int32_t>::max()};
+  auto dense = make_block_table_view(g, k.data(), s, v.data(), s,
+                                     BlockTable{table.data(), 4, lens.data(), 1});
+  REQUIRE(dense.num_pages(0) == 134217728);
+  REQUIRE_THROWS_WITH(dense.validate_page_table(),
+                      Catch::Contains("needs 134217728 pages but block table rows hold 4"));
+  // CSR: 3 pages of 2^30 tokens hold 3 * 2^30 tokens, more than seq_len() can return.
+  const KVGeometry big{1, 1, 1 << 30, 4};
+  const KVStrides bs = packed_strides(big, KVLayout::kNHD);
+  std::vector<int32_t> indptr{0, 3}, indices{0, 1, 2}, last{1 << 30};
+  auto csr = make_csr_view(big, k.data(), bs, v.data(), bs,
+                           CsrPageTable{indptr.data(), indices.data(), last.data(), 1});
+  REQUIRE_THROWS_WITH(csr.validate_page_table(), Catch::Contains("holds 3221225472 tokens"));
+  last[0] = 1;  // 2 * 2^30 + 1 tokens: still too many
+  REQUIRE_THROWS_WITH(csr.validate_page_table(), Catch::Contains("holds 2147483649 tokens"));
+  indptr[1] = 2;  // 2^30 + 1 tokens fit
+  REQUIRE_NOTHROW(csr.validate_page_table());
+  REQUIRE(csr.seq_len(0) == (1 << 30) + 1);
 }
 
 TEST_CASE("workspace carver aligns and refuses overflow", "[workspace]") {

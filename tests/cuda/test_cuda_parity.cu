@@ -184,7 +184,7 @@ std::int32_t uniform_int(std::mt19937_64& rng, std::int32_t lo, std::int32_t hi)
 TEMPLATE_TEST_CASE("cuda: argument checks come before any CUDA call", "[cuda][errors]", float,
                    half_t, bfloat16_t) {
   using T = TestType;
-  std::mt19937_64 rng(test::test_seed());
+  KVKIT_TEST_RNG(rng);
   const exec::Cuda cu{};
   test::RandomPool<T> host(make_spec(kFlavors[0], 2, 16, 4, {9, 5}), rng);
   std::vector<T> buf(1024);
@@ -267,9 +267,7 @@ TEMPLATE_TEST_CASE("cuda: argument checks come before any CUDA call", "[cuda][er
 TEMPLATE_TEST_CASE("cuda parity: write_kv", "[cuda][write_kv]", float, half_t, bfloat16_t) {
   using T = TestType;
   KVKIT_REQUIRE_GPU();
-  const std::uint64_t seed = test::test_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   Stream stream;
   for (const Flavor& f : kFlavors) {
     for (std::int32_t extra : {0, 3}) {  // token_stride padding (3 breaks 16-byte alignment)
@@ -360,9 +358,7 @@ TEMPLATE_TEST_CASE("cuda parity: paged_decode_attention", "[cuda][attention]", f
                    bfloat16_t) {
   using T = TestType;
   KVKIT_REQUIRE_GPU();
-  const std::uint64_t seed = test::test_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   Stream stream;
   const Flavor* packed = &kFlavors[0];
   const Flavor* hnd = &kFlavors[1];
@@ -399,9 +395,7 @@ TEMPLATE_TEST_CASE("cuda parity: paged_decode_attention", "[cuda][attention]", f
 TEMPLATE_TEST_CASE("cuda parity: gather_tokens", "[cuda][gather]", float, half_t, bfloat16_t) {
   using T = TestType;
   KVKIT_REQUIRE_GPU();
-  const std::uint64_t seed = test::test_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   Stream stream;
   for (const Flavor& f : kFlavors) {
     CAPTURE(f.name);
@@ -450,9 +444,7 @@ TEMPLATE_TEST_CASE("cuda parity: gather_tokens", "[cuda][gather]", float, half_t
 TEMPLATE_TEST_CASE("cuda parity: compact_tokens", "[cuda][compact]", float, half_t, bfloat16_t) {
   using T = TestType;
   KVKIT_REQUIRE_GPU();
-  const std::uint64_t seed = test::test_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   Stream stream;
   for (const Flavor& f : kFlavors) {
     for (bool bad_entry : {false, true}) {
@@ -503,9 +495,7 @@ TEMPLATE_TEST_CASE("cuda parity: compact_tokens", "[cuda][compact]", float, half
 TEMPLATE_TEST_CASE("cuda parity: copy_pages", "[cuda][copy_pages]", float, half_t, bfloat16_t) {
   using T = TestType;
   KVKIT_REQUIRE_GPU();
-  const std::uint64_t seed = test::test_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  KVKIT_TEST_RNG(rng);
   Stream stream;
   for (const Flavor& f : kFlavors) {
     CAPTURE(f.name);

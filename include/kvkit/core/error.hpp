@@ -36,6 +36,7 @@ enum class StatusCode : int {
   kDeviceError,
 };
 
+/// Short lower-case name of a status code, as Status::to_string() prints it.
 inline const char* to_string(StatusCode c) {
   switch (c) {
     case StatusCode::kOk: return "ok";

@@ -10,6 +10,7 @@ namespace kvkit {
 /// Where a view's memory lives; kernels refuse memory from the other side.
 enum class MemorySpace : unsigned char { kHost = 0, kCuda = 1 };
 
+/// "host" or "cuda", for messages.
 inline const char* to_string(MemorySpace s) { return s == MemorySpace::kHost ? "host" : "cuda"; }
 
 namespace exec {

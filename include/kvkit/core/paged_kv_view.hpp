@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "kvkit/core/config.hpp"
@@ -78,6 +79,7 @@ inline bool strides_disjoint(const KVStrides& s, const KVGeometry& g) {
   return true;
 }
 
+// Throws naming the first non-positive size.
 inline void check_geometry(const KVGeometry& g) {
   KVKIT_CHECK(g.num_kv_heads > 0, "kvkit: num_kv_heads must be > 0, got ", g.num_kv_heads);
   KVKIT_CHECK(g.head_dim > 0, "kvkit: head_dim must be > 0, got ", g.head_dim);
@@ -85,6 +87,7 @@ inline void check_geometry(const KVGeometry& g) {
   KVKIT_CHECK(g.num_pages > 0, "kvkit: num_pages must be > 0, got ", g.num_pages);
 }
 
+// Throws unless the strides are positive and never alias two elements; `which` is "K"/"V".
 inline void check_strides(const char* which, const KVStrides& s, const KVGeometry& g) {
   KVKIT_CHECK(s.page > 0 && s.token > 0 && s.head > 0, "kvkit: ", which,
               " strides must be positive, got page=", s.page, " token=", s.token,
@@ -103,11 +106,11 @@ template <class T>
 struct PagedKVView {
   using value_type = T;
 
-  std::int32_t num_kv_heads = 0;
-  std::int32_t head_dim = 0;
-  std::int32_t page_size = 0;
+  std::int32_t num_kv_heads = 0;     // heads stored per token
+  std::int32_t head_dim = 0;         // elements per head vector (contiguous)
+  std::int32_t page_size = 0;        // tokens per page
   std::int32_t num_pages_total = 0;  // pool capacity: page ids must be < this
-  std::int32_t batch_size = 0;
+  std::int32_t batch_size = 0;       // sequences in the page table
 
   T* k_data = nullptr;  // [pages] strided by k_stride_page/token/head, head_dim contiguous
   T* v_data = nullptr;  // [pages] strided by v_stride_page/token/head, head_dim contiguous
@@ -127,7 +130,9 @@ struct PagedKVView {
   /// Pages used by sequence b.
   KVKIT_HOST_DEVICE std::int32_t num_pages(std::int32_t b) const {
     if (table_kind == PageTableKind::kCsr) return indptr[b + 1] - indptr[b];
-    return (seq_lens[b] + page_size - 1) / page_size;
+    // Rounded up in 64 bits: seq_lens[b] + page_size - 1 overflows int32 near INT32_MAX.
+    return static_cast<std::int32_t>(
+        (static_cast<std::int64_t>(seq_lens[b]) + page_size - 1) / page_size);
   }
   /// Tokens held by sequence b.
   KVKIT_HOST_DEVICE std::int32_t seq_len(std::int32_t b) const {
@@ -145,6 +150,7 @@ struct PagedKVView {
                                           std::int32_t head) const {
     return page * k_stride_page + slot * k_stride_token + head * k_stride_head;
   }
+  /// Element offset of (page, in-page slot, head) in the V pool.
   KVKIT_HOST_DEVICE std::int64_t v_offset(std::int32_t page, std::int32_t slot,
                                           std::int32_t head) const {
     return page * v_stride_page + slot * v_stride_token + head * v_stride_head;
@@ -153,6 +159,7 @@ struct PagedKVView {
   KVKIT_HOST_DEVICE T* k_ptr(std::int32_t b, std::int32_t token, std::int32_t head) const {
     return k_data + k_offset(page_id(b, token / page_size), token % page_size, head);
   }
+  /// Address of the value of token `token` of sequence b, head `head` (head_dim elements).
   KVKIT_HOST_DEVICE T* v_ptr(std::int32_t b, std::int32_t token, std::int32_t head) const {
     return v_data + v_offset(page_id(b, token / page_size), token % page_size, head);
   }
@@ -161,11 +168,13 @@ struct PagedKVView {
     return k_data + k_offset(static_cast<std::int32_t>(slot / page_size),
                              static_cast<std::int32_t>(slot % page_size), head);
   }
+  /// V twin of k_slot_ptr.
   KVKIT_HOST_DEVICE T* v_slot_ptr(std::int64_t slot, std::int32_t head) const {
     return v_data + v_offset(static_cast<std::int32_t>(slot / page_size),
                              static_cast<std::int32_t>(slot % page_size), head);
   }
 
+  /// The geometry this view was built from (num_pages = num_pages_total).
   KVGeometry geometry() const { return {num_kv_heads, head_dim, page_size, num_pages_total}; }
 
   /// Reads a host-resident page table and throws kvkit::Error on the first bad entry
@@ -177,47 +186,83 @@ struct PagedKVView {
 
 static_assert(std::is_trivially_copyable<PagedKVView<float>>::value, "views are passed by value");
 
+namespace detail {
+
+/// Checks the page-table entries of sequence b of a host-resident table (lengths,
+/// last_page_len, page ids) and returns a Status naming the first bad value. Run paths
+/// call this (they must not throw); validate_page_table() throws what it returns.
+template <class T>
+Status check_sequence_pages(const PagedKVView<T>& v, std::int32_t b) {
+  constexpr std::int64_t kMaxLen = std::numeric_limits<std::int32_t>::max();
+  if (v.table_kind == PageTableKind::kCsr) {
+    KVKIT_CHECK_STATUS(v.indptr != nullptr, StatusCode::kInvalidArgument, "CSR indptr is null");
+    // Compared, not subtracted: indptr[b + 1] - indptr[b] overflows on a corrupt table.
+    KVKIT_CHECK_STATUS(v.indptr[b] >= 0 && v.indptr[b + 1] >= v.indptr[b],
+                       StatusCode::kOutOfRange, "indptr of sequence ", b, " is invalid: ",
+                       v.indptr[b], " -> ", v.indptr[b + 1]);
+    const std::int32_t n = v.indptr[b + 1] - v.indptr[b];
+    if (n > 0) {
+      KVKIT_CHECK_STATUS(v.indices != nullptr && v.last_page_len != nullptr,
+                         StatusCode::kInvalidArgument, "CSR indices or last_page_len is null");
+      const std::int32_t last = v.last_page_len[b];
+      KVKIT_CHECK_STATUS(last >= 1 && last <= v.page_size, StatusCode::kOutOfRange,
+                         "last_page_len ", last, " of sequence ", b, " outside [1, ", v.page_size,
+                         "]");
+      // seq_len() is an int32 token count, so (n - 1) * page_size + last must fit.
+      const std::int64_t len = static_cast<std::int64_t>(n - 1) * v.page_size + last;
+      KVKIT_CHECK_STATUS(len <= kMaxLen, StatusCode::kOutOfRange, "sequence ", b, " holds ", len,
+                         " tokens on ", n, " pages, more than the int32 maximum ", kMaxLen);
+    }
+  } else {
+    KVKIT_CHECK_STATUS(v.seq_lens != nullptr, StatusCode::kInvalidArgument,
+                       "block table seq_lens is null");
+    const std::int32_t len = v.seq_lens[b];
+    KVKIT_CHECK_STATUS(len >= 0, StatusCode::kOutOfRange, "seq_len ", len, " of sequence ", b,
+                       " is negative");
+    const std::int32_t n = v.num_pages(b);
+    KVKIT_CHECK_STATUS(n <= v.row_stride, StatusCode::kOutOfRange, "sequence ", b, " needs ", n,
+                       " pages but block table rows hold ", v.row_stride);
+    KVKIT_CHECK_STATUS(n == 0 || v.block_table != nullptr, StatusCode::kInvalidArgument,
+                       "block table is null");
+  }
+  const std::int32_t n = v.num_pages(b);
+  for (std::int32_t i = 0; i < n; ++i) {
+    const std::int32_t p = v.page_id(b, i);
+    KVKIT_CHECK_STATUS(p >= 0 && p < v.num_pages_total, StatusCode::kOutOfRange, "page id ", p,
+                       " out of range [0, ", v.num_pages_total, ") at sequence ", b, " page ", i);
+  }
+  return Status::ok();
+}
+
+/// check_sequence_pages for every sequence (O(total pages)).
+template <class T>
+Status check_page_table(const PagedKVView<T>& v) {
+  for (std::int32_t b = 0; b < v.batch_size; ++b) KVKIT_RETURN_IF_ERROR(check_sequence_pages(v, b));
+  return Status::ok();
+}
+
+}  // namespace detail
+
 template <class T>
 void PagedKVView<T>::validate_page_table() const {
   KVKIT_CHECK(space == MemorySpace::kHost,
               "kvkit: validate_page_table needs a host page table, view is in ", to_string(space));
   KVKIT_CHECK(batch_size >= 0, "kvkit: batch_size must be >= 0, got ", batch_size);
-  auto check_page = [&](std::int32_t b, std::int32_t i, std::int32_t p) {
-    KVKIT_CHECK(p >= 0 && p < num_pages_total, "kvkit: page id ", p, " out of range [0, ",
-                num_pages_total, ") at sequence ", b, " page ", i);
-  };
   if (table_kind == PageTableKind::kCsr) {
     KVKIT_CHECK(indptr != nullptr && last_page_len != nullptr, "kvkit: CSR table has null arrays");
     KVKIT_CHECK(indptr[0] == 0, "kvkit: indptr[0] must be 0, got ", indptr[0]);
-    for (std::int32_t b = 0; b < batch_size; ++b) {
-      const std::int32_t n = indptr[b + 1] - indptr[b];
-      KVKIT_CHECK(n >= 0, "kvkit: indptr decreases at sequence ", b, ": ", indptr[b], " -> ",
-                  indptr[b + 1]);
-      if (n > 0) {
-        KVKIT_CHECK(indices != nullptr, "kvkit: CSR table has null indices");
-        KVKIT_CHECK(last_page_len[b] >= 1 && last_page_len[b] <= page_size,
-                    "kvkit: last_page_len ", last_page_len[b], " of sequence ", b,
-                    " outside [1, ", page_size, "]");
-      }
-      for (std::int32_t i = 0; i < n; ++i) check_page(b, i, page_id(b, i));
-    }
-  } else {
-    KVKIT_CHECK(seq_lens != nullptr, "kvkit: block table has null seq_lens");
-    for (std::int32_t b = 0; b < batch_size; ++b) {
-      KVKIT_CHECK(seq_lens[b] >= 0, "kvkit: seq_len ", seq_lens[b], " of sequence ", b,
-                  " is negative");
-      const std::int32_t n = num_pages(b);
-      KVKIT_CHECK(n <= row_stride, "kvkit: sequence ", b, " needs ", n,
-                  " pages but block table rows hold ", row_stride);
-      if (n > 0) KVKIT_CHECK(block_table != nullptr, "kvkit: block table has null table");
-      for (std::int32_t i = 0; i < n; ++i) check_page(b, i, page_id(b, i));
-    }
   }
+  const Status st = detail::check_page_table(*this);
+  if (!st.is_ok()) fail("kvkit: ", st.message());
 }
 
 namespace detail {
+// Validated geometry, storage and strides shared by make_csr_view / make_block_table_view.
 template <class T>
-PagedKVView<T> make_view_storage(const KVGeometry& g, T* k_data, const KVStrides& ks, T* v_data,
+PagedKVView<T> make_view_storage(const KVGeometry& g,
+                                 T* k_data,  // K pool, addressed by ks
+                                 const KVStrides& ks,
+                                 T* v_data,  // V pool, addressed by vs
                                  const KVStrides& vs, MemorySpace space) {
   check_geometry(g);
   KVKIT_CHECK(k_data != nullptr && v_data != nullptr, "kvkit: null K or V base pointer");
@@ -243,7 +288,10 @@ PagedKVView<T> make_view_storage(const KVGeometry& g, T* k_data, const KVStrides
 
 /// Builds a view over a CSR page table. Throws kvkit::Error on bad geometry or strides.
 template <class T>
-PagedKVView<T> make_csr_view(const KVGeometry& g, T* k_data, const KVStrides& ks, T* v_data,
+PagedKVView<T> make_csr_view(const KVGeometry& g,
+                             T* k_data,  // K pool: [g.num_pages] pages strided by ks
+                             const KVStrides& ks,
+                             T* v_data,  // V pool: [g.num_pages] pages strided by vs
                              const KVStrides& vs, const CsrPageTable& table,
                              MemorySpace space = MemorySpace::kHost) {
   KVKIT_CHECK(table.batch_size >= 0, "kvkit: batch_size must be >= 0, got ", table.batch_size);
@@ -259,8 +307,11 @@ PagedKVView<T> make_csr_view(const KVGeometry& g, T* k_data, const KVStrides& ks
 
 /// Builds a view over a dense block table. Throws kvkit::Error on bad geometry or strides.
 template <class T>
-PagedKVView<T> make_block_table_view(const KVGeometry& g, T* k_data, const KVStrides& ks,
-                                     T* v_data, const KVStrides& vs, const BlockTable& table,
+PagedKVView<T> make_block_table_view(const KVGeometry& g,
+                                     T* k_data,  // K pool: [g.num_pages] pages strided by ks
+                                     const KVStrides& ks,
+                                     T* v_data,  // V pool: [g.num_pages] pages strided by vs
+                                     const KVStrides& vs, const BlockTable& table,
                                      MemorySpace space = MemorySpace::kHost) {
   KVKIT_CHECK(table.batch_size >= 0, "kvkit: batch_size must be >= 0, got ", table.batch_size);
   KVKIT_CHECK(table.row_stride >= 0, "kvkit: block table row_stride must be >= 0, got ",
@@ -278,6 +329,7 @@ PagedKVView<T> make_block_table_view(const KVGeometry& g, T* k_data, const KVStr
 /// default), HND = [heads, page_size, head_dim] (FlashInfer HND, TensorRT-LLM).
 enum class KVLayout : unsigned char { kNHD = 0, kHND = 1 };
 
+/// "nhd" or "hnd", for messages.
 inline const char* to_string(KVLayout l) { return l == KVLayout::kNHD ? "nhd" : "hnd"; }
 
 /// Strides of a pool of densely packed pages in the given layout.

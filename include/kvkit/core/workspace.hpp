@@ -19,6 +19,7 @@ struct Workspace {
 /// Alignment every carved sub-buffer gets.
 inline constexpr std::size_t kWorkspaceAlign = 256;
 
+/// n rounded up to a multiple of a.
 inline constexpr std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) {
   return (n + a - 1) / a * a;
 }

@@ -32,12 +32,38 @@ struct DecodeAttentionParams {
 
 namespace detail {
 
+/// kWrongMemorySpace unless the view's memory lives where `Exec` runs (a host view handed
+/// to exec::Cuda, or the reverse).
 template <class T, class Exec>
 Status check_view_space(const PagedKVView<T>& view, const Exec&) {
   KVKIT_CHECK_STATUS(view.space == Exec::space, StatusCode::kWrongMemorySpace, "view memory is ",
                      to_string(view.space), " but the execution object runs on ",
                      to_string(Exec::space));
   return Status::ok();
+}
+
+/// Storage pointers and geometry a kernel relies on (make_*_view guarantees these; a
+/// hand-filled view may not). Reads only the view's own fields, never its memory or page
+/// table, so it serves host and device views alike.
+template <class T>
+Status check_view_storage(const PagedKVView<T>& v) {
+  KVKIT_CHECK_STATUS(v.k_data != nullptr && v.v_data != nullptr, StatusCode::kInvalidArgument,
+                     "view has a null K or V base pointer");
+  KVKIT_CHECK_STATUS(
+      v.num_kv_heads > 0 && v.head_dim > 0 && v.page_size > 0 && v.num_pages_total > 0,
+      StatusCode::kInvalidArgument, "view geometry must be positive, got heads=", v.num_kv_heads,
+      " head_dim=", v.head_dim, " page_size=", v.page_size, " num_pages=", v.num_pages_total);
+  KVKIT_CHECK_STATUS(v.batch_size >= 0, StatusCode::kInvalidArgument,
+                     "batch_size must be >= 0, got ", v.batch_size);
+  return Status::ok();
+}
+
+/// check_view_space then check_view_storage: the first checks of every operation on both
+/// backends.
+template <class T, class Exec>
+Status check_view(const PagedKVView<T>& view, const Exec& ex) {
+  KVKIT_RETURN_IF_ERROR(check_view_space(view, ex));
+  return check_view_storage(view);
 }
 
 template <class T>

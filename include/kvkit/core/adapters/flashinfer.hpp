@@ -21,11 +21,10 @@
 namespace kvkit {
 namespace detail {
 
-inline void check_flashinfer_args(std::int32_t max_num_pages, std::int32_t page_size,
-                                  std::int32_t num_kv_heads, std::int32_t head_dim,
-                                  KVLayout layout, const std::int32_t* indptr,
-                                  const std::int32_t* indices, const std::int32_t* last_page_len,
-                                  std::int32_t batch_size) {
+// Checks what both make_flashinfer_view overloads share and returns the pool geometry.
+inline KVGeometry flashinfer_geometry(std::int32_t max_num_pages, std::int32_t page_size,
+                                      std::int32_t num_kv_heads, std::int32_t head_dim,
+                                      KVLayout layout, const CsrPageTable& table) {
   KVKIT_CHECK(max_num_pages > 0, "kvkit: flashinfer max_num_pages must be > 0, got ",
               max_num_pages);
   KVKIT_CHECK(page_size > 0, "kvkit: flashinfer page_size must be > 0, got ", page_size);
@@ -34,13 +33,15 @@ inline void check_flashinfer_args(std::int32_t max_num_pages, std::int32_t page_
   KVKIT_CHECK(head_dim > 0, "kvkit: flashinfer head_dim must be > 0, got ", head_dim);
   KVKIT_CHECK(layout == KVLayout::kNHD || layout == KVLayout::kHND,
               "kvkit: flashinfer layout must be NHD or HND, got ", static_cast<int>(layout));
+  const std::int32_t batch_size = table.batch_size;
   KVKIT_CHECK(batch_size >= 0, "kvkit: flashinfer batch_size must be >= 0, got ", batch_size);
   // indptr has batch_size + 1 entries, so it is needed even for an empty batch.
-  KVKIT_CHECK(indptr != nullptr, "kvkit: flashinfer paged_kv_indptr is null");
-  KVKIT_CHECK(batch_size == 0 || indices != nullptr,
+  KVKIT_CHECK(table.indptr != nullptr, "kvkit: flashinfer paged_kv_indptr is null");
+  KVKIT_CHECK(batch_size == 0 || table.indices != nullptr,
               "kvkit: flashinfer paged_kv_indices is null for batch_size ", batch_size);
-  KVKIT_CHECK(batch_size == 0 || last_page_len != nullptr,
+  KVKIT_CHECK(batch_size == 0 || table.last_page_len != nullptr,
               "kvkit: flashinfer paged_kv_last_page_len is null for batch_size ", batch_size);
+  return KVGeometry{num_kv_heads, head_dim, page_size, max_num_pages};
 }
 
 }  // namespace detail
@@ -59,18 +60,14 @@ PagedKVView<T> make_flashinfer_view(
     const std::int32_t* paged_kv_indices,        // [paged_kv_indptr[batch_size]]
     const std::int32_t* paged_kv_last_page_len,  // [batch_size]
     std::int32_t batch_size, MemorySpace space = MemorySpace::kHost) {
-  detail::check_flashinfer_args(max_num_pages, page_size, num_kv_heads, head_dim, layout,
-                                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                batch_size);
+  const CsrPageTable table{paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, batch_size};
+  const KVGeometry g =
+      detail::flashinfer_geometry(max_num_pages, page_size, num_kv_heads, head_dim, layout, table);
   KVKIT_CHECK(paged_kv_cache != nullptr, "kvkit: flashinfer paged_kv_cache is null");
-  const KVGeometry g{num_kv_heads, head_dim, page_size, max_num_pages};
   KVStrides s = packed_strides(g, layout);  // strides inside one K (or V) half-page
   const std::int64_t half_page = s.page;
   s.page = 2 * half_page;  // a page holds its K half then its V half
-  return make_csr_view(g, paged_kv_cache, s, paged_kv_cache + half_page, s,
-                       CsrPageTable{paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                    batch_size},
-                       space);
+  return make_csr_view(g, paged_kv_cache, s, paged_kv_cache + half_page, s, table, space);
 }
 
 /// Builds a CSR view of FlashInfer's split form: separate K and V tensors, each
@@ -86,17 +83,13 @@ PagedKVView<T> make_flashinfer_view(
     const std::int32_t* paged_kv_indices,        // [paged_kv_indptr[batch_size]]
     const std::int32_t* paged_kv_last_page_len,  // [batch_size]
     std::int32_t batch_size, MemorySpace space = MemorySpace::kHost) {
-  detail::check_flashinfer_args(max_num_pages, page_size, num_kv_heads, head_dim, layout,
-                                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                batch_size);
+  const CsrPageTable table{paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, batch_size};
+  const KVGeometry g =
+      detail::flashinfer_geometry(max_num_pages, page_size, num_kv_heads, head_dim, layout, table);
   KVKIT_CHECK(k_cache != nullptr, "kvkit: flashinfer k_cache is null");
   KVKIT_CHECK(v_cache != nullptr, "kvkit: flashinfer v_cache is null");
-  const KVGeometry g{num_kv_heads, head_dim, page_size, max_num_pages};
   const KVStrides s = packed_strides(g, layout);
-  return make_csr_view(g, k_cache, s, v_cache, s,
-                       CsrPageTable{paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                    batch_size},
-                       space);
+  return make_csr_view(g, k_cache, s, v_cache, s, table, space);
 }
 
 }  // namespace kvkit

@@ -35,8 +35,11 @@ inline bool page_is_dense(std::int64_t sp, std::int64_t st, std::int64_t sh, std
   return nhd || hnd;
 }
 
+/// Copies page src to page dst of one pool (every token slot and head), one memcpy when
+/// `dense`, else row by row.
 template <class T>
-void copy_one_page(T* base, std::int64_t sp, std::int64_t st, std::int64_t sh, bool dense,
+void copy_one_page(T* base,  // pool: pages sp apart, tokens st, heads sh, rows contiguous
+                   std::int64_t sp, std::int64_t st, std::int64_t sh, bool dense,
                    std::int32_t page_size, std::int32_t heads, std::int32_t dim, std::int32_t src,
                    std::int32_t dst) {
   const T* s = base + src * sp;

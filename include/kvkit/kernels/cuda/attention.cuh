@@ -15,7 +15,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cuda/common.cuh"
 
 namespace kvkit {
@@ -47,7 +46,10 @@ inline int decode_num_splits(std::int32_t batch, std::int32_t num_kv_heads) {
 
 // Online-softmax state merge: (m, l, acc) <- (m, l, acc) (+) (mo, lo, acco), log2 domain.
 template <int E>
-KVKIT_DEVICE void merge_state(float& m, float& l, float* acc, float mo, float lo, const float* acco) {
+KVKIT_DEVICE void merge_state(float& m, float& l,
+                              float* acc,  // [E]
+                              float mo, float lo,
+                              const float* acco) {  // [E]
   const float mm = fmaxf(m, mo);
   if (mm == -INFINITY) return;  // both empty
   const float ca = exp2f(m - mm);
@@ -271,10 +273,11 @@ inline Status check_decode_head_dim(int hd) {
   return Status::ok();
 }
 
+// Split-K scratch carved from the workspace (all null when num_splits == 1).
 struct DecodeLaunch {
-  float* part_acc = nullptr;
-  float* part_m = nullptr;
-  float* part_l = nullptr;
+  float* part_acc = nullptr;  // [batch, Hq, num_splits, D]
+  float* part_m = nullptr;    // [batch, Hq, num_splits]
+  float* part_l = nullptr;    // [batch, Hq, num_splits]
   int num_splits = 1;
 };
 
@@ -282,7 +285,10 @@ struct DecodeLaunch {
 // than 4 query heads per block costs more registers (lower occupancy) than the extra K/V
 // reads it saves; those mostly hit L2 anyway.
 template <class T, int D, int VEC>
-Status launch_decode(exec::Cuda ex, const PagedKVView<T>& view, const T* q, T* out, float* lse,
+Status launch_decode(exec::Cuda ex, const PagedKVView<T>& view,
+                     const T* q,    // [batch, Hq, D] device
+                     T* out,        // [batch, Hq, D] device
+                     float* lse,    // [batch, Hq] device or null
                      const DecodeAttentionParams& p, const DecodeLaunch& dl) {
   const std::int32_t group = p.num_qo_heads / view.num_kv_heads;
   auto go = [&](auto gb) {
@@ -305,7 +311,10 @@ Status launch_decode(exec::Cuda ex, const PagedKVView<T>& view, const T* q, T* o
 }
 
 template <class T, int D>
-Status dispatch_decode_vec(exec::Cuda ex, const PagedKVView<T>& view, const T* q, T* out, float* lse,
+Status dispatch_decode_vec(exec::Cuda ex, const PagedKVView<T>& view,
+                           const T* q,    // [batch, Hq, D] device
+                           T* out,        // [batch, Hq, D] device
+                           float* lse,    // [batch, Hq] device or null
                            const DecodeAttentionParams& p, const DecodeLaunch& dl) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   if (view_vector_bytes(view, {q, out}) == 16)
@@ -314,8 +323,11 @@ Status dispatch_decode_vec(exec::Cuda ex, const PagedKVView<T>& view, const T* q
 }
 
 template <class T>
-Status dispatch_decode_head_dim(exec::Cuda ex, const PagedKVView<T>& view, const T* q, T* out,
-                                float* lse, const DecodeAttentionParams& p, const DecodeLaunch& dl) {
+Status dispatch_decode_head_dim(exec::Cuda ex, const PagedKVView<T>& view,
+                                const T* q,    // [batch, Hq, D] device
+                                T* out,        // [batch, Hq, D] device
+                                float* lse,    // [batch, Hq] device or null
+                                const DecodeAttentionParams& p, const DecodeLaunch& dl) {
   switch (view.head_dim) {
     case 8: return dispatch_decode_vec<T, 8>(ex, view, q, out, lse, p, dl);
     case 16: return dispatch_decode_vec<T, 16>(ex, view, q, out, lse, p, dl);
@@ -359,8 +371,7 @@ Status paged_decode_attention(exec::Cuda ex, PagedKVView<T> view,
                               const DecodeAttentionParams& p, Workspace ws,
                               float* lse = nullptr) {  // [batch, Hq] device, optional
   constexpr const char* kOp = "paged_decode_attention";
-  KVKIT_RETURN_IF_ERROR(detail::check_view_space(view, ex));
-  KVKIT_RETURN_IF_ERROR(detail::check_host_view_storage(view));
+  KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_RETURN_IF_ERROR(detail::check_decode_params(view, p));
   const int hd = view.head_dim;
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_decode_head_dim(hd));

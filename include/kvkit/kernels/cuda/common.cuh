@@ -50,6 +50,7 @@ inline Status cuda_status(cudaError_t err, const char* op) {
 /// synchronise, so faults inside the kernels surface later on the stream).
 inline Status launch_status(const char* op) { return cuda_status(cudaGetLastError(), op); }
 
+/// The cudaStream_t an exec::Cuda carries.
 inline cudaStream_t stream_of(exec::Cuda ex) { return static_cast<cudaStream_t>(ex.stream); }
 
 /// Blocks for a grid-stride loop over `total` items.
@@ -59,6 +60,7 @@ inline unsigned grid_for(std::int64_t total, int threads = kCopyThreads) {
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
 }
 
+/// True when p is a multiple of `bytes` (a power of two).
 inline bool aligned_to(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
@@ -113,7 +115,8 @@ struct RawVec<16> {
 
 /// Copies N elements of T with a single vector access (pointers aligned to sizeof(T)*N).
 template <class T, int N>
-KVKIT_DEVICE void copy_vec(T* dst, const T* src) {
+KVKIT_DEVICE void copy_vec(T* dst,         // [N]
+                           const T* src) {  // [N]
   using Raw = typename RawVec<static_cast<int>(sizeof(T)) * N>::type;
   *reinterpret_cast<Raw*>(dst) = *reinterpret_cast<const Raw*>(src);
 }
@@ -143,7 +146,8 @@ KVKIT_DEVICE bfloat16_t store_float<bfloat16_t>(float x) {
 
 /// Loads N elements with one vector access and widens them to float.
 template <class T, int N>
-KVKIT_DEVICE void load_vec_float(const T* src, float* out) {
+KVKIT_DEVICE void load_vec_float(const T* src,  // [N]
+                                 float* out) {  // [N]
   using Raw = typename RawVec<static_cast<int>(sizeof(T)) * N>::type;
   const Raw raw = *reinterpret_cast<const Raw*>(src);
   T e[N];

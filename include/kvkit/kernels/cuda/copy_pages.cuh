@@ -4,7 +4,6 @@
 
 #include <cstdint>
 
-#include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cuda/common.cuh"
 
 namespace kvkit {
@@ -21,7 +20,8 @@ __global__ void copy_pages_kernel(PagedKVView<T> view,
   const int vecs = view.head_dim / VEC;
   const std::int32_t per_token = view.num_kv_heads * vecs;
   const std::int32_t per_page = view.page_size * per_token;
-  for (std::int32_t pair = blockIdx.x; pair < n; pair += gridDim.x) {
+  // 64-bit pair index: pair + gridDim.x would wrap an int32 for n near INT32_MAX.
+  for (std::int64_t pair = blockIdx.x; pair < n; pair += gridDim.x) {
     const std::int32_t src = src_pages[pair];
     const std::int32_t dst = dst_pages[pair];
     if (src < 0 || src >= view.num_pages_total || dst < 0 || dst >= view.num_pages_total) continue;
@@ -50,8 +50,7 @@ Status copy_pages(exec::Cuda ex, PagedKVView<T> view,
                   const std::int32_t* dst_pages,  // [n] device
                   std::int32_t n) {
   constexpr const char* kOp = "copy_pages";
-  KVKIT_RETURN_IF_ERROR(detail::check_view_space(view, ex));
-  KVKIT_RETURN_IF_ERROR(detail::check_host_view_storage(view));
+  KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_CHECK_STATUS(n >= 0, StatusCode::kInvalidArgument, "n must be >= 0, got ", n);
   if (n == 0) return Status::ok();
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_arg_ptr(src_pages, "src_pages", kOp));

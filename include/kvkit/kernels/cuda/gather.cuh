@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cuda/common.cuh"
 
 namespace kvkit {
@@ -130,8 +129,7 @@ Status gather_tokens(exec::Cuda ex, PagedKVView<T> view, std::int32_t seq,
                      std::int32_t n, T* k_out,       // [Hkv, n, D] device
                      T* v_out) {                     // [Hkv, n, D] device
   constexpr const char* kOp = "gather_tokens";
-  KVKIT_RETURN_IF_ERROR(detail::check_view_space(view, ex));
-  KVKIT_RETURN_IF_ERROR(detail::check_host_view_storage(view));
+  KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_CHECK_STATUS(seq >= 0 && seq < view.batch_size, StatusCode::kOutOfRange, "sequence ", seq,
                      " out of range [0, ", view.batch_size, ")");
   KVKIT_CHECK_STATUS(n >= 0, StatusCode::kInvalidArgument, "n must be >= 0, got ", n);
@@ -176,8 +174,7 @@ Status compact_tokens(exec::Cuda ex, PagedKVView<T> view,
                       const std::int32_t* num_keep,  // [batch] device
                       std::int32_t keep_stride, Workspace ws) {
   constexpr const char* kOp = "compact_tokens";
-  KVKIT_RETURN_IF_ERROR(detail::check_view_space(view, ex));
-  KVKIT_RETURN_IF_ERROR(detail::check_host_view_storage(view));
+  KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_CHECK_STATUS(keep_stride >= 0, StatusCode::kInvalidArgument,
                      "keep_stride must be >= 0, got ", keep_stride);
   if (keep_stride == 0 || view.batch_size == 0) return Status::ok();

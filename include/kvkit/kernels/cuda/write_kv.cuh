@@ -4,7 +4,6 @@
 
 #include <cstdint>
 
-#include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cuda/common.cuh"
 
 namespace kvkit {
@@ -48,8 +47,7 @@ Status write_kv(exec::Cuda ex, PagedKVView<T> view,
                 const std::int64_t* slot_mapping,   // [num_tokens] device; < 0 skips
                 std::int32_t num_tokens, std::int64_t token_stride) {
   constexpr const char* kOp = "write_kv";
-  KVKIT_RETURN_IF_ERROR(detail::check_view_space(view, ex));
-  KVKIT_RETURN_IF_ERROR(detail::check_host_view_storage(view));
+  KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_CHECK_STATUS(num_tokens >= 0, StatusCode::kInvalidArgument, "num_tokens must be >= 0, got ",
                      num_tokens);
   if (num_tokens == 0) return Status::ok();
