@@ -18,6 +18,7 @@ namespace kvkit {
 /// Runtime tag of an element type (stored in block headers, printed in errors).
 enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+/// Lower-case name of a dtype ("float32", "float16", "bfloat16") for messages and headers.
 inline const char* to_string(DType d) {
   switch (d) {
     case DType::kFloat32: return "float32";
@@ -27,6 +28,7 @@ inline const char* to_string(DType d) {
   return "unknown";
 }
 
+/// Bytes per element of a dtype.
 inline int dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 namespace detail {
@@ -67,18 +69,19 @@ KVKIT_HOST_DEVICE std::uint16_t float_to_half_bits(float f) {
   return static_cast<std::uint16_t>(sign | h);
 }
 
+// Branch-free (integer masks, no selects GCC would turn into jumps), so loops of
+// conversions vectorize with plain SSE2.
 KVKIT_HOST_DEVICE float half_bits_to_float(std::uint16_t h) {
   const std::uint32_t sign = (static_cast<std::uint32_t>(h) & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1fu) return bits_float(sign | 0x7f800000u | (mant << 13));
-  if (exp == 0) {
-    if (mant == 0) return bits_float(sign);
-    // subnormal: value = mant * 2^-24
-    float v = static_cast<float>(mant) * 5.9604644775390625e-08f;
-    return sign ? -v : v;
-  }
-  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+  const std::uint32_t em = static_cast<std::uint32_t>(h) & 0x7fffu;  // exponent | mantissa
+  const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(em < 0x0400u);    // all ones
+  const std::uint32_t is_spec = 0u - static_cast<std::uint32_t>(em >= 0x7c00u);  // inf, nan
+  // Rebias the exponent 15 -> 127 (inf/nan: 31 -> 255, mantissa kept).
+  const std::uint32_t normal = (em << 13) + 0x38000000u + (is_spec & 0x38000000u);
+  // Subnormal (and zero): 2^-14 * (1 + m/1024) - 2^-14 = m * 2^-24, exact in float.
+  const std::uint32_t sub =
+      float_bits(bits_float(0x38800000u + (em << 13)) - bits_float(0x38800000u));
+  return bits_float(sign | (normal & ~is_sub) | (sub & is_sub));
 }
 
 KVKIT_HOST_DEVICE std::uint16_t float_to_bf16_bits(float f) {
@@ -128,6 +131,7 @@ KVKIT_HOST_DEVICE float to_float(float x) { return x; }
 KVKIT_HOST_DEVICE float to_float(half_t x) { return static_cast<float>(x); }
 KVKIT_HOST_DEVICE float to_float(bfloat16_t x) { return static_cast<float>(x); }
 
+/// float -> T, rounding to nearest even for the 16-bit types.
 template <class T>
 KVKIT_HOST_DEVICE T from_float(float x) {
   return T(x);

@@ -16,6 +16,18 @@
 #include "kvkit/kernels/params.hpp"
 
 namespace kvkit {
+namespace detail {
+namespace cpu {
+
+/// Steps to prefetch ahead when each step moves `step_bytes` from scattered rows: about
+/// 8 KiB of reads in flight (4 to 64 KiB measured alike on the reference machine).
+inline std::int32_t rows_ahead(std::size_t step_bytes) {
+  return static_cast<std::int32_t>(
+      std::max<std::size_t>(1, 8192 / std::max<std::size_t>(1, step_bytes)));
+}
+
+}  // namespace cpu
+}  // namespace detail
 
 /// Copies tokens token_ids[0..n) of sequence `seq` (or tokens 0..n-1 when token_ids is
 /// nullptr) into dense head-major buffers: k_out[h, i, :] = K[seq, token_ids[i], h].
@@ -44,16 +56,67 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
                          "token id ", token_ids[i], " at position ", i, " out of range [0, ", len,
                          ") of sequence ", seq);
   }
-  const std::int32_t dim = view.head_dim;
+  const std::int32_t dim = view.head_dim, hkv = view.num_kv_heads;
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(dim);
-  const std::int64_t items = static_cast<std::int64_t>(view.num_kv_heads) * n;
+  const std::int64_t ksh = view.k_stride_head, vsh = view.v_stride_head;
+  auto token = [&](std::int64_t i) {
+    return token_ids ? token_ids[i] : static_cast<std::int32_t>(i);
+  };
+  if (view.k_stride_head < view.k_stride_token) {
+    // Heads of a token are adjacent (NHD): one item per output token, all heads at once,
+    // so each token's row is read in one pass.
+    const std::int32_t ahead = detail::cpu::rows_ahead(bytes * hkv);
+    detail::parallel_for(ex, n, [&](std::int64_t begin, std::int64_t end, int) {
+      detail::PageCursor cur, pre;
+      for (std::int64_t i = begin; i < end; ++i) {
+        if (i == begin || i + ahead < end) {  // prefetch the first rows, then `ahead` on
+          for (std::int64_t j = i == begin ? i : i + ahead; j < std::min(end, i + ahead + 1); ++j) {
+            pre.seek(view, seq, token(j));
+            for (std::int32_t h = 0; h < hkv; ++h) {
+              detail::prefetch_bytes(view.k_data + view.k_offset(pre.page, pre.slot, h), bytes);
+              detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, h), bytes);
+            }
+          }
+        }
+        cur.seek(view, seq, token(i));
+        const T* ks = view.k_data + view.k_offset(cur.page, cur.slot, 0);
+        const T* vs = view.v_data + view.v_offset(cur.page, cur.slot, 0);
+        for (std::int32_t h = 0; h < hkv; ++h) {
+          std::memcpy(k_out + (static_cast<std::int64_t>(h) * n + i) * dim, ks + h * ksh, bytes);
+          std::memcpy(v_out + (static_cast<std::int64_t>(h) * n + i) * dim, vs + h * vsh, bytes);
+        }
+      }
+    });
+    return Status::ok();
+  }
+  // Head-major: item it = h * n + i (the output row). Runs of consecutive token ids within
+  // one page are contiguous on both sides when rows are packed, so they take one memcpy.
+  const bool packed = view.k_stride_token == dim && view.v_stride_token == dim;
+  const std::int32_t ahead = detail::cpu::rows_ahead(bytes);
+  const std::int64_t items = static_cast<std::int64_t>(hkv) * n;
   detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int) {
-    for (std::int64_t it = begin; it < end; ++it) {  // it = h * n + i, the output row
+    detail::PageCursor cur, pre;
+    std::int64_t next_pf = begin;
+    for (std::int64_t it = begin; it < end;) {
       const std::int32_t h = static_cast<std::int32_t>(it / n);
-      const std::int32_t i = static_cast<std::int32_t>(it % n);
-      const std::int32_t t = token_ids ? token_ids[i] : i;
-      std::memcpy(k_out + it * dim, view.k_ptr(seq, t, h), bytes);
-      std::memcpy(v_out + it * dim, view.v_ptr(seq, t, h), bytes);
+      const std::int64_t i = it % n;
+      const std::int32_t t = token(i);
+      cur.seek(view, seq, t);
+      std::int64_t r = 1;
+      if (packed) {
+        const std::int64_t max_r = std::min<std::int64_t>({end - it, n - i, cur.size - cur.slot});
+        while (r < max_r && token(i + r) == t + r) ++r;
+      }
+      for (; next_pf < std::min(end, it + r + ahead); ++next_pf) {
+        const std::int32_t ph = static_cast<std::int32_t>(next_pf / n);
+        pre.seek(view, seq, token(next_pf % n));
+        detail::prefetch_bytes(view.k_data + view.k_offset(pre.page, pre.slot, ph), bytes);
+        detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, ph), bytes);
+      }
+      const std::size_t run_bytes = bytes * static_cast<std::size_t>(r);
+      std::memcpy(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h), run_bytes);
+      std::memcpy(v_out + it * dim, view.v_data + view.v_offset(cur.page, cur.slot, h), run_bytes);
+      it += r;
     }
   });
   return Status::ok();
@@ -122,33 +185,104 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
   if (staging == nullptr)
     return make_status(StatusCode::kInvalidArgument, "workspace of ", ws.bytes, " bytes too small");
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(dim);
-  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * hkv;
+  const std::int64_t ksh = view.k_stride_head, vsh = view.v_stride_head;
+  // NHD: heads of a token are adjacent, so the heads of one item move in lockstep
+  // (destination token rows are written whole). Head-major: one head per item, with runs
+  // of consecutive kept tokens moved by one memmove when rows are packed.
+  const bool token_major = view.k_stride_head < view.k_stride_token;
+  constexpr std::int32_t kMaxLock = 16;
+  const std::int32_t hpi =
+      token_major ? detail::heads_per_item(ex, view.batch_size, hkv, kMaxLock) : 1;
+  const bool packed = view.k_stride_token == dim && view.v_stride_token == dim;
+  const std::int32_t ahead = detail::cpu::rows_ahead(bytes * static_cast<std::size_t>(hpi));
+  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * (hkv / hpi);
   detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int worker) {
     T* kst = staging + static_cast<std::size_t>(worker) * slice;
     T* vst = kst + static_cast<std::size_t>(keep_stride) * dim;
     for (std::int64_t it = begin; it < end; ++it) {
-      const std::int32_t b = static_cast<std::int32_t>(it / hkv);
-      const std::int32_t h = static_cast<std::int32_t>(it % hkv);
+      const std::int32_t b = static_cast<std::int32_t>(it / (hkv / hpi));
+      const std::int32_t h0 = static_cast<std::int32_t>(it % (hkv / hpi)) * hpi;
       const std::int32_t nk = num_keep[b];
       if (nk == 0) continue;
-      const std::int32_t* kl = keep + it * keep_stride;
-      bool ascending = true;
-      for (std::int32_t i = 1; i < nk && ascending; ++i) ascending = kl[i] > kl[i - 1];
-      if (ascending) {
-        for (std::int32_t i = 0; i < nk; ++i) {
-          if (kl[i] == i) continue;
-          std::memcpy(view.k_ptr(b, i, h), view.k_ptr(b, kl[i], h), bytes);
-          std::memcpy(view.v_ptr(b, i, h), view.v_ptr(b, kl[i], h), bytes);
+      const std::int32_t* kls[kMaxLock];  // keep lists of the ascending heads
+      std::int32_t heads[kMaxLock];
+      std::int32_t na = 0;
+      for (std::int32_t hh = h0; hh < h0 + hpi; ++hh) {
+        const std::int32_t* kl = keep + (static_cast<std::int64_t>(b) * hkv + hh) * keep_stride;
+        bool ascending = true;
+        for (std::int32_t i = 1; i < nk && ascending; ++i) ascending = kl[i] > kl[i - 1];
+        if (ascending) {
+          kls[na] = kl;
+          heads[na++] = hh;
+          continue;
         }
-      } else {
+        // Any order: stage the kept rows, then write them back in order.
+        detail::PageCursor cur;
         for (std::int32_t i = 0; i < nk; ++i) {
-          std::memcpy(kst + static_cast<std::size_t>(i) * dim, view.k_ptr(b, kl[i], h), bytes);
-          std::memcpy(vst + static_cast<std::size_t>(i) * dim, view.v_ptr(b, kl[i], h), bytes);
+          cur.seek(view, b, kl[i]);
+          std::memcpy(kst + static_cast<std::size_t>(i) * dim,
+                      view.k_data + view.k_offset(cur.page, cur.slot, hh), bytes);
+          std::memcpy(vst + static_cast<std::size_t>(i) * dim,
+                      view.v_data + view.v_offset(cur.page, cur.slot, hh), bytes);
         }
         for (std::int32_t i = 0; i < nk; ++i) {
-          std::memcpy(view.k_ptr(b, i, h), kst + static_cast<std::size_t>(i) * dim, bytes);
-          std::memcpy(view.v_ptr(b, i, h), vst + static_cast<std::size_t>(i) * dim, bytes);
+          cur.seek(view, b, i);
+          std::memcpy(view.k_data + view.k_offset(cur.page, cur.slot, hh),
+                      kst + static_cast<std::size_t>(i) * dim, bytes);
+          std::memcpy(view.v_data + view.v_offset(cur.page, cur.slot, hh),
+                      vst + static_cast<std::size_t>(i) * dim, bytes);
         }
+      }
+      if (na == 0) continue;
+      // Ascending: one forward pass (keep[i] >= i, so no source is overwritten before it
+      // is read). Rows of one head never overlap partially; runs may, hence memmove.
+      detail::PageCursor dst, src[kMaxLock], pre[kMaxLock];
+      std::int32_t next_pf = 0;
+      for (std::int32_t i = 0; i < nk;) {
+        for (; next_pf < std::min(nk, i + ahead); ++next_pf)
+          for (std::int32_t a = 0; a < na; ++a) {
+            const std::int32_t t = kls[a][next_pf];
+            if (t == next_pf) continue;
+            pre[a].seek(view, b, t);
+            const detail::PageCursor& pc = pre[a];
+            detail::prefetch_bytes(view.k_data + view.k_offset(pc.page, pc.slot, heads[a]), bytes);
+            detail::prefetch_bytes(view.v_data + view.v_offset(pc.page, pc.slot, heads[a]), bytes);
+          }
+        dst.seek(view, b, i);
+        if (na == 1 && packed) {  // head-major run of consecutive tokens
+          const std::int32_t* kl = kls[0];
+          const std::int32_t t = kl[i];
+          src[0].seek(view, b, t);
+          const std::int32_t max_r =
+              std::min({nk - i, dst.size - dst.slot, src[0].size - src[0].slot});
+          std::int32_t r = 1;
+          while (r < max_r && kl[i + r] == t + r) ++r;
+          if (t != i) {
+            const std::size_t run_bytes = bytes * static_cast<std::size_t>(r);
+            const std::int32_t h = heads[0];
+            std::memmove(view.k_data + view.k_offset(dst.page, dst.slot, h),
+                         view.k_data + view.k_offset(src[0].page, src[0].slot, h), run_bytes);
+            std::memmove(view.v_data + view.v_offset(dst.page, dst.slot, h),
+                         view.v_data + view.v_offset(src[0].page, src[0].slot, h), run_bytes);
+          }
+          i += r;
+          continue;
+        }
+        T* kd = view.k_data + view.k_offset(dst.page, dst.slot, 0);
+        T* vd = view.v_data + view.v_offset(dst.page, dst.slot, 0);
+        for (std::int32_t a = 0; a < na; ++a) {  // K rows, then V rows: two streams
+          const std::int32_t t = kls[a][i];
+          if (t == i) continue;
+          src[a].seek(view, b, t);
+          std::memcpy(kd + heads[a] * ksh,
+                      view.k_data + view.k_offset(src[a].page, src[a].slot, heads[a]), bytes);
+        }
+        for (std::int32_t a = 0; a < na; ++a) {
+          if (kls[a][i] == i) continue;
+          std::memcpy(vd + heads[a] * vsh,
+                      view.v_data + view.v_offset(src[a].page, src[a].slot, heads[a]), bytes);
+        }
+        ++i;
       }
     }
   });

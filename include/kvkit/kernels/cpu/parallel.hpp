@@ -1,5 +1,6 @@
 #pragma once
-// A minimal static parallel_for for the CPU kernels.
+// A minimal static parallel_for for the CPU kernels, and the small memory helpers they
+// share (software prefetch, incremental page lookup, head chunking).
 //
 // Work items [0, n) are cut into at most `threads` contiguous chunks, one per worker;
 // worker 0 runs on the calling thread. Every item is computed by the same code whatever
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <thread>
 
@@ -49,6 +51,57 @@ void parallel_for(exec::Host ex, std::int64_t n, Body&& body) {
   body(std::int64_t{0}, chunk_begin(1), 0);
   for (int w = 1; w < workers; ++w)
     if (pool[static_cast<std::size_t>(w)].joinable()) pool[static_cast<std::size_t>(w)].join();
+}
+
+/// Hints the cache to load [p, p + bytes) (one prefetch per 64-byte line). Used where
+/// rows are scattered over pages and the hardware prefetchers cannot follow.
+inline void prefetch_bytes(const void* p,  // [bytes]
+                           std::size_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+/// Incremental page lookup within one sequence: maps a token to (page id, slot) with a
+/// division and a page-table load only when the token leaves the page of the previous
+/// lookup, so walks over nearby tokens cost an add and a compare per row.
+struct PageCursor {
+  std::int32_t first = 0;  // first token of the current page
+  std::int32_t size = 0;   // tokens in the current page's span (0: nothing looked up yet)
+  std::int32_t page = 0;   // physical page id of the current page
+  std::int32_t slot = 0;   // slot of the last token looked up
+
+  /// Points the cursor at token t of sequence b of view v.
+  template <class View>
+  void seek(const View& v, std::int32_t b, std::int32_t t) {
+    if (t < first || t - first >= size) {
+      const std::int32_t pi = t / v.page_size;
+      first = pi * v.page_size;
+      size = v.page_size;
+      page = v.page_id(b, pi);
+    }
+    slot = t - first;
+  }
+};
+
+/// Splits the kv heads of each sequence into chunks of equal size (a divisor of num_heads)
+/// so that batch * chunks >= the workers of ex where possible. Kernels that read all heads
+/// of a token together (NHD) use whole-head chunks; results never depend on the chunking.
+inline std::int32_t heads_per_item(exec::Host ex, std::int32_t batch, std::int32_t num_heads,
+                                   std::int32_t max_heads) {
+  std::int32_t hpi = num_heads;
+  const std::int64_t workers = host_workers(ex, kMaxHostThreads);
+  while (hpi > 1 &&
+         (hpi > max_heads || static_cast<std::int64_t>(batch) * (num_heads / hpi) < workers)) {
+    std::int32_t next = hpi - 1;
+    while (num_heads % next != 0) --next;
+    hpi = next;
+  }
+  return hpi;
 }
 
 }  // namespace detail
