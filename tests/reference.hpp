@@ -91,6 +91,8 @@ struct PoolSpec {
   std::int32_t spare_pages = 3;        // pool pages no sequence uses (copy targets)
   std::int32_t row_padding = 0;        // extra elements after each head_dim row (strided pools)
   std::int32_t page_padding = 0;       // extra elements after each page
+  std::int32_t v_head_dim = 0;         // V row length; 0: head_dim
+  int v_layout = -1;                   // V's KVLayout as an int; -1: same as layout
 };
 
 /// Page-table arrays a view points at (host or device copies of RandomPool's vectors).
@@ -118,18 +120,22 @@ class RandomPool {
       max_pages = std::max(max_pages, np);
     }
     geometry = KVGeometry{spec.num_kv_heads, spec.head_dim, spec.page_size,
-                          std::max(1, used + spec.spare_pages)};
-    // Strides of a packed layout whose rows are head_dim + row_padding long.
-    const std::int64_t row = spec.head_dim + spec.row_padding;
-    const std::int64_t page_elems =
-        static_cast<std::int64_t>(spec.page_size) * spec.num_kv_heads * row;
-    if (spec.layout == KVLayout::kNHD)
-      strides = {page_elems + spec.page_padding, spec.num_kv_heads * row, row};
-    else
-      strides = {page_elems + spec.page_padding, row, spec.page_size * row};
-    const std::size_t elems = static_cast<std::size_t>(strides.page) * geometry.num_pages;
-    k = random_vector<T>(elems, rng);
-    v = random_vector<T>(elems, rng);
+                          std::max(1, used + spec.spare_pages), spec.v_head_dim};
+    // Strides of a packed layout whose rows are dim + row_padding long.
+    auto make_strides = [&](std::int32_t dim, KVLayout layout) -> KVStrides {
+      const std::int64_t row = dim + spec.row_padding;
+      const std::int64_t page_elems =
+          static_cast<std::int64_t>(spec.page_size) * spec.num_kv_heads * row;
+      if (layout == KVLayout::kNHD)
+        return {page_elems + spec.page_padding, spec.num_kv_heads * row, row};
+      return {page_elems + spec.page_padding, row, spec.page_size * row};
+    };
+    strides = make_strides(spec.head_dim, spec.layout);
+    v_strides = make_strides(geometry.v_dim(), spec.v_layout < 0
+                                                   ? spec.layout
+                                                   : static_cast<KVLayout>(spec.v_layout));
+    k = random_vector<T>(static_cast<std::size_t>(strides.page) * geometry.num_pages, rng);
+    v = random_vector<T>(static_cast<std::size_t>(v_strides.page) * geometry.num_pages, rng);
 
     std::vector<std::int32_t> perm(static_cast<std::size_t>(geometry.num_pages));
     std::iota(perm.begin(), perm.end(), 0);
@@ -174,34 +180,45 @@ class RandomPool {
   PagedKVView<U> make_view_over(U* k_base, U* v_base, const TableArrays& t,
                                 MemorySpace space) const {
     if (spec_.table == PageTableKind::kCsr)
-      return make_csr_view(geometry, k_base, strides, v_base, strides,
+      return make_csr_view(geometry, k_base, strides, v_base, v_strides,
                            CsrPageTable{t.indptr, t.indices, t.last_page_len, batch_size()}, space);
-    return make_block_table_view(geometry, k_base, strides, v_base, strides,
+    return make_block_table_view(geometry, k_base, strides, v_base, v_strides,
                                  BlockTable{t.block_table, row_stride, t.seq_lens, batch_size()},
                                  space);
   }
 
-  /// Element index of (page, slot, head, d) in k / v.
+  /// Element index of (page, slot, head, d) in k (v_index: in v, with V's strides).
   std::size_t index(std::int32_t page, std::int32_t slot, std::int32_t head, std::int32_t d) const {
     return static_cast<std::size_t>(page * strides.page + slot * strides.token +
                                     head * strides.head + d);
   }
-  /// Element index of token t of sequence b, head h, dim d.
+  std::size_t v_index(std::int32_t page, std::int32_t slot, std::int32_t head,
+                      std::int32_t d) const {
+    return static_cast<std::size_t>(page * v_strides.page + slot * v_strides.token +
+                                    head * v_strides.head + d);
+  }
+  /// Element index of token t of sequence b, head h, dim d in k (v_token_index: in v).
   std::size_t token_index(std::int32_t b, std::int32_t t, std::int32_t h, std::int32_t d) const {
     const auto& pg = pages[static_cast<std::size_t>(b)];
     return index(pg[static_cast<std::size_t>(t / spec_.page_size)], t % spec_.page_size, h, d);
+  }
+  std::size_t v_token_index(std::int32_t b, std::int32_t t, std::int32_t h, std::int32_t d) const {
+    const auto& pg = pages[static_cast<std::size_t>(b)];
+    return v_index(pg[static_cast<std::size_t>(t / spec_.page_size)], t % spec_.page_size, h, d);
   }
   double key(std::int32_t b, std::int32_t t, std::int32_t h, std::int32_t d) const {
     return to_double(k[token_index(b, t, h, d)]);
   }
   double value(std::int32_t b, std::int32_t t, std::int32_t h, std::int32_t d) const {
-    return to_double(v[token_index(b, t, h, d)]);
+    return to_double(v[v_token_index(b, t, h, d)]);
   }
 
   PagedKVView<T> view;  // host view over k, v and the tables below
   KVGeometry geometry;
-  KVStrides strides;
-  std::vector<T> k, v;                      // [num_pages * strides.page]
+  KVStrides strides;                        // K's
+  KVStrides v_strides;                      // V's (differ when v_head_dim or v_layout do)
+  std::vector<T> k;                         // [num_pages * strides.page]
+  std::vector<T> v;                         // [num_pages * v_strides.page]
   std::vector<std::int32_t> indptr;         // CSR [batch + 1]
   std::vector<std::int32_t> indices;        // CSR [nnz]
   std::vector<std::int32_t> last_page_len;  // CSR [batch]
@@ -220,8 +237,9 @@ class RandomPool {
 template <class T>
 void ref_decode_attention(const PagedKVView<T>& view, const T* q, std::int32_t num_qo_heads,
                           double sm_scale, std::vector<double>& out, std::vector<double>& lse) {
-  const std::int32_t dim = view.head_dim, group = num_qo_heads / view.num_kv_heads;
-  out.assign(static_cast<std::size_t>(view.batch_size) * num_qo_heads * dim, 0.0);
+  const std::int32_t dim = view.head_dim, vdim = view.v_head_dim;
+  const std::int32_t group = num_qo_heads / view.num_kv_heads;
+  out.assign(static_cast<std::size_t>(view.batch_size) * num_qo_heads * vdim, 0.0);
   lse.assign(static_cast<std::size_t>(view.batch_size) * num_qo_heads,
              -std::numeric_limits<double>::infinity());
   std::vector<double> logits;
@@ -242,11 +260,11 @@ void ref_decode_attention(const PagedKVView<T>& view, const T* q, std::int32_t n
       }
       double sum = 0;
       for (double& s : logits) sum += (s = std::exp(s - mx));
-      double* o = out.data() + (static_cast<std::size_t>(b) * num_qo_heads + hq) * dim;
+      double* o = out.data() + (static_cast<std::size_t>(b) * num_qo_heads + hq) * vdim;
       for (std::int32_t t = 0; t < len; ++t) {
         const T* vr = view.v_ptr(b, t, h);
         const double p = logits[static_cast<std::size_t>(t)] / sum;
-        for (std::int32_t d = 0; d < dim; ++d) o[d] += p * to_double(vr[d]);
+        for (std::int32_t d = 0; d < vdim; ++d) o[d] += p * to_double(vr[d]);
       }
       lse[static_cast<std::size_t>(b) * num_qo_heads + hq] = mx + std::log(sum);
     }

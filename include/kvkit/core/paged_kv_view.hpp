@@ -28,12 +28,24 @@ namespace kvkit {
 /// Which page-table encoding a view carries.
 enum class PageTableKind : unsigned char { kCsr = 0, kBlockTable = 1 };
 
-/// Shape of the KV pool of one layer.
+/// Contiguous layouts of one page: NHD = [page_size, heads, head_dim] (vLLM, FlashInfer
+/// default), HND = [heads, page_size, head_dim] (FlashInfer HND, TensorRT-LLM).
+enum class KVLayout : unsigned char { kNHD = 0, kHND = 1 };
+
+/// "nhd" or "hnd", for messages.
+inline const char* to_string(KVLayout l) { return l == KVLayout::kNHD ? "nhd" : "hnd"; }
+
+/// Shape of the KV pool of one layer. K and V may have different head dims (a
+/// ChannelSelector stores packed keys of rK dims and values of rV dims).
 struct KVGeometry {
   std::int32_t num_kv_heads = 0;  // heads stored per token
-  std::int32_t head_dim = 0;      // elements per head vector (contiguous)
+  std::int32_t head_dim = 0;      // elements per K head vector (contiguous)
   std::int32_t page_size = 0;     // tokens per page (the engine's block size)
   std::int32_t num_pages = 0;     // pages in the pool; valid page ids are [0, num_pages)
+  std::int32_t v_head_dim = 0;    // elements per V head vector; 0 means head_dim
+
+  /// Elements per V head vector (v_head_dim, or head_dim when that is 0).
+  std::int32_t v_dim() const { return v_head_dim != 0 ? v_head_dim : head_dim; }
 };
 
 /// Element strides of one of the K/V pools.
@@ -85,10 +97,20 @@ inline void check_geometry(const KVGeometry& g) {
   KVKIT_CHECK(g.head_dim > 0, "kvkit: head_dim must be > 0, got ", g.head_dim);
   KVKIT_CHECK(g.page_size > 0, "kvkit: page_size must be > 0, got ", g.page_size);
   KVKIT_CHECK(g.num_pages > 0, "kvkit: num_pages must be > 0, got ", g.num_pages);
+  KVKIT_CHECK(g.v_head_dim >= 0, "kvkit: v_head_dim must be >= 0 (0: head_dim), got ",
+              g.v_head_dim);
 }
 
-// Throws unless the strides are positive and never alias two elements; `which` is "K"/"V".
-inline void check_strides(const char* which, const KVStrides& s, const KVGeometry& g) {
+// The layout strides describe: NHD when the heads of a token are closer than its tokens.
+// Computed once when a view is built, so kernels branch on a field, never on strides.
+inline KVLayout layout_of(const KVStrides& s) {
+  return s.head < s.token ? KVLayout::kNHD : KVLayout::kHND;
+}
+
+// Throws unless the strides are positive and never alias two elements; `which` is "K"/"V"
+// (V strides are checked against g.v_dim()).
+inline void check_strides(const char* which, const KVStrides& s, KVGeometry g) {
+  if (which[0] == 'V') g.head_dim = g.v_dim();
   KVKIT_CHECK(s.page > 0 && s.token > 0 && s.head > 0, "kvkit: ", which,
               " strides must be positive, got page=", s.page, " token=", s.token,
               " head=", s.head);
@@ -107,7 +129,8 @@ struct PagedKVView {
   using value_type = T;
 
   std::int32_t num_kv_heads = 0;     // heads stored per token
-  std::int32_t head_dim = 0;         // elements per head vector (contiguous)
+  std::int32_t head_dim = 0;         // elements per K head vector (contiguous)
+  std::int32_t v_head_dim = 0;       // elements per V head vector (contiguous; may differ)
   std::int32_t page_size = 0;        // tokens per page
   std::int32_t num_pages_total = 0;  // pool capacity: page ids must be < this
   std::int32_t batch_size = 0;       // sequences in the page table
@@ -116,6 +139,8 @@ struct PagedKVView {
   T* v_data = nullptr;  // [pages] strided by v_stride_page/token/head, head_dim contiguous
   std::int64_t k_stride_page = 0, k_stride_token = 0, k_stride_head = 0;  // elements
   std::int64_t v_stride_page = 0, v_stride_token = 0, v_stride_head = 0;  // elements
+  KVLayout k_layout = KVLayout::kNHD;  // NHD: heads of a token adjacent; HND: head-major
+  KVLayout v_layout = KVLayout::kNHD;  // V's own layout (may differ from K's)
 
   PageTableKind table_kind = PageTableKind::kCsr;
   const std::int32_t* indptr = nullptr;         // CSR: [batch_size + 1]
@@ -175,7 +200,9 @@ struct PagedKVView {
   }
 
   /// The geometry this view was built from (num_pages = num_pages_total).
-  KVGeometry geometry() const { return {num_kv_heads, head_dim, page_size, num_pages_total}; }
+  KVGeometry geometry() const {
+    return {num_kv_heads, head_dim, page_size, num_pages_total, v_head_dim};
+  }
 
   /// Reads a host-resident page table and throws kvkit::Error on the first bad entry
   /// (non-monotone indptr, page id outside [0, num_pages_total), last_page_len outside
@@ -271,6 +298,7 @@ PagedKVView<T> make_view_storage(const KVGeometry& g,
   PagedKVView<T> v;
   v.num_kv_heads = g.num_kv_heads;
   v.head_dim = g.head_dim;
+  v.v_head_dim = g.v_dim();
   v.page_size = g.page_size;
   v.num_pages_total = g.num_pages;
   v.k_data = k_data;
@@ -281,6 +309,8 @@ PagedKVView<T> make_view_storage(const KVGeometry& g,
   v.v_stride_page = vs.page;
   v.v_stride_token = vs.token;
   v.v_stride_head = vs.head;
+  v.k_layout = layout_of(ks);
+  v.v_layout = layout_of(vs);
   v.space = space;
   return v;
 }
@@ -325,20 +355,19 @@ PagedKVView<T> make_block_table_view(const KVGeometry& g,
   return v;
 }
 
-/// Contiguous layouts of one page: NHD = [page_size, heads, head_dim] (vLLM, FlashInfer
-/// default), HND = [heads, page_size, head_dim] (FlashInfer HND, TensorRT-LLM).
-enum class KVLayout : unsigned char { kNHD = 0, kHND = 1 };
-
-/// "nhd" or "hnd", for messages.
-inline const char* to_string(KVLayout l) { return l == KVLayout::kNHD ? "nhd" : "hnd"; }
-
-/// Strides of a pool of densely packed pages in the given layout.
+/// Strides of a pool of densely packed K pages in the given layout.
 inline KVStrides packed_strides(const KVGeometry& g, KVLayout layout) {
   detail::check_geometry(g);
-  const std::int64_t page = static_cast<std::int64_t>(g.page_size) * g.num_kv_heads * g.head_dim;
-  if (layout == KVLayout::kNHD)
-    return {page, static_cast<std::int64_t>(g.num_kv_heads) * g.head_dim, g.head_dim};
-  return {page, g.head_dim, static_cast<std::int64_t>(g.page_size) * g.head_dim};
+  const std::int64_t dim = g.head_dim;
+  const std::int64_t page = static_cast<std::int64_t>(g.page_size) * g.num_kv_heads * dim;
+  if (layout == KVLayout::kNHD) return {page, static_cast<std::int64_t>(g.num_kv_heads) * dim, dim};
+  return {page, dim, static_cast<std::int64_t>(g.page_size) * dim};
+}
+
+/// Strides of a pool of densely packed V pages (rows of g.v_dim() elements).
+inline KVStrides packed_v_strides(KVGeometry g, KVLayout layout) {
+  g.head_dim = g.v_dim();
+  return packed_strides(g, layout);
 }
 
 }  // namespace kvkit

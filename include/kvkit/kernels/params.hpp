@@ -25,9 +25,36 @@ namespace kvkit {
 
 /// Decode attention settings: one query token per sequence, GQA by head grouping
 /// (query head hq reads KV head hq / (num_qo_heads / num_kv_heads)).
+///
+/// The first two fields give plain dense decode; every other field defaults to "off" and
+/// turns on one variant the policies need. Variants combine freely, on both backends:
+/// - page subset (Sketcher/EPS): (sequence b, kv head h) reads only the logical pages
+///   page_subset[page_subset_indptr[b*Hkv+h] .. page_subset_indptr[b*Hkv+h+1]) of b,
+///   strictly ascending indices into b's page list (< view.num_pages(b)).
+/// - channel-restricted keys (ChannelSelector): the view's K rows hold view.head_dim
+///   channels k_channels[h*head_dim + c] of the q_dim-wide query, so scores are
+///   q[k_channels] · k (no scatter); V rows hold view.v_head_dim channels
+///   v_channels[h*v_head_dim + c] of the q_dim-wide output, the rest of out is 0.
+/// - scores out (Compressor/R1KV, SnapKV): scores[b, hq, t] = sm_scale * q·k_t for each
+///   token t < seq_len(b) read; tokens of pages not read get -inf.
+/// q is [batch, Hq, q_width] and out [batch, Hq, out_width] with q_width = q_dim when
+/// k_channels is set, else view.head_dim, and out_width = q_dim when v_channels is set,
+/// else view.v_head_dim. `lse` (natural log of the softmax denominator of the scaled
+/// logits, -inf for nothing read) lets merge_attention_states combine two parts, e.g. a
+/// packed old part and a full-width recent window.
 struct DecodeAttentionParams {
   std::int32_t num_qo_heads = 0;  // Hq; a positive multiple of view.num_kv_heads
   float sm_scale = 0.f;           // softmax scale, typically 1/sqrt(head_dim); must be finite > 0
+
+  const std::int32_t* page_subset_indptr = nullptr;  // [batch * Hkv + 1] or nullptr (all pages)
+  const std::int32_t* page_subset = nullptr;         // [page_subset_indptr[batch * Hkv]]
+
+  const std::int32_t* k_channels = nullptr;  // [Hkv, view.head_dim] ids in [0, q_dim) or nullptr
+  const std::int32_t* v_channels = nullptr;  // [Hkv, view.v_head_dim] ids in [0, q_dim) or nullptr
+  std::int32_t q_dim = 0;                    // full head dim when k_channels/v_channels are set
+
+  float* scores = nullptr;         // [batch, Hq, scores_stride] scaled logits, or nullptr
+  std::int64_t scores_stride = 0;  // >= the longest seq_len when scores is set
 };
 
 namespace detail {
@@ -50,9 +77,11 @@ Status check_view_storage(const PagedKVView<T>& v) {
   KVKIT_CHECK_STATUS(v.k_data != nullptr && v.v_data != nullptr, StatusCode::kInvalidArgument,
                      "view has a null K or V base pointer");
   KVKIT_CHECK_STATUS(
-      v.num_kv_heads > 0 && v.head_dim > 0 && v.page_size > 0 && v.num_pages_total > 0,
+      v.num_kv_heads > 0 && v.head_dim > 0 && v.v_head_dim > 0 && v.page_size > 0 &&
+          v.num_pages_total > 0,
       StatusCode::kInvalidArgument, "view geometry must be positive, got heads=", v.num_kv_heads,
-      " head_dim=", v.head_dim, " page_size=", v.page_size, " num_pages=", v.num_pages_total);
+      " head_dim=", v.head_dim, " v_head_dim=", v.v_head_dim, " page_size=", v.page_size,
+      " num_pages=", v.num_pages_total);
   KVKIT_CHECK_STATUS(v.batch_size >= 0, StatusCode::kInvalidArgument,
                      "batch_size must be >= 0, got ", v.batch_size);
   return Status::ok();

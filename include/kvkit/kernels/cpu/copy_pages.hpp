@@ -105,18 +105,19 @@ Status copy_pages(exec::Host ex, PagedKVView<T> view,
                            " is repeated");
       }
   }
-  const std::int32_t ps = view.page_size, hkv = view.num_kv_heads, dim = view.head_dim;
+  const std::int32_t ps = view.page_size, hkv = view.num_kv_heads;
+  const std::int32_t dim = view.head_dim, vdim = view.v_head_dim;
   const bool k_dense = detail::cpu::page_is_dense(view.k_stride_page, view.k_stride_token,
                                                   view.k_stride_head, ps, hkv, dim);
   const bool v_dense = detail::cpu::page_is_dense(view.v_stride_page, view.v_stride_token,
-                                                  view.v_stride_head, ps, hkv, dim);
+                                                  view.v_stride_head, ps, hkv, vdim);
   detail::parallel_for(ex, n, [&](std::int64_t begin, std::int64_t end, int) {
     for (std::int64_t i = begin; i < end; ++i) {
       detail::cpu::copy_one_page(view.k_data, view.k_stride_page, view.k_stride_token,
                                  view.k_stride_head, k_dense, ps, hkv, dim, src_pages[i],
                                  dst_pages[i]);
       detail::cpu::copy_one_page(view.v_data, view.v_stride_page, view.v_stride_token,
-                                 view.v_stride_head, v_dense, ps, hkv, dim, src_pages[i],
+                                 view.v_stride_head, v_dense, ps, hkv, vdim, src_pages[i],
                                  dst_pages[i]);
     }
   });

@@ -37,7 +37,7 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
                      const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
                      std::int32_t n,
                      T* k_out,    // [Hkv, n, D]
-                     T* v_out) {  // [Hkv, n, D]
+                     T* v_out) {  // [Hkv, n, Dv]
   KVKIT_RETURN_IF_ERROR(detail::check_host_view(view, /*check_table=*/false));
   KVKIT_CHECK_STATUS(seq >= 0 && seq < view.batch_size, StatusCode::kOutOfRange, "sequence ", seq,
                      " out of range [0, ", view.batch_size, ")");
@@ -56,13 +56,14 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
                          "token id ", token_ids[i], " at position ", i, " out of range [0, ", len,
                          ") of sequence ", seq);
   }
-  const std::int32_t dim = view.head_dim, hkv = view.num_kv_heads;
+  const std::int32_t dim = view.head_dim, vdim = view.v_head_dim, hkv = view.num_kv_heads;
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(dim);
+  const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(vdim);
   const std::int64_t ksh = view.k_stride_head, vsh = view.v_stride_head;
   auto token = [&](std::int64_t i) {
     return token_ids ? token_ids[i] : static_cast<std::int32_t>(i);
   };
-  if (view.k_stride_head < view.k_stride_token) {
+  if (view.k_layout == KVLayout::kNHD && view.v_layout == KVLayout::kNHD) {
     // Heads of a token are adjacent (NHD): one item per output token, all heads at once,
     // so each token's row is read in one pass.
     const std::int32_t ahead = detail::cpu::rows_ahead(bytes * hkv);
@@ -74,7 +75,7 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
             pre.seek(view, seq, token(j));
             for (std::int32_t h = 0; h < hkv; ++h) {
               detail::prefetch_bytes(view.k_data + view.k_offset(pre.page, pre.slot, h), bytes);
-              detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, h), bytes);
+              detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, h), v_bytes);
             }
           }
         }
@@ -83,7 +84,7 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
         const T* vs = view.v_data + view.v_offset(cur.page, cur.slot, 0);
         for (std::int32_t h = 0; h < hkv; ++h) {
           std::memcpy(k_out + (static_cast<std::int64_t>(h) * n + i) * dim, ks + h * ksh, bytes);
-          std::memcpy(v_out + (static_cast<std::int64_t>(h) * n + i) * dim, vs + h * vsh, bytes);
+          std::memcpy(v_out + (static_cast<std::int64_t>(h) * n + i) * vdim, vs + h * vsh, v_bytes);
         }
       }
     });
@@ -91,7 +92,7 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
   }
   // Head-major: item it = h * n + i (the output row). Runs of consecutive token ids within
   // one page are contiguous on both sides when rows are packed, so they take one memcpy.
-  const bool packed = view.k_stride_token == dim && view.v_stride_token == dim;
+  const bool packed = view.k_stride_token == dim && view.v_stride_token == vdim;
   const std::int32_t ahead = detail::cpu::rows_ahead(bytes);
   const std::int64_t items = static_cast<std::int64_t>(hkv) * n;
   detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int) {
@@ -111,11 +112,12 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
         const std::int32_t ph = static_cast<std::int32_t>(next_pf / n);
         pre.seek(view, seq, token(next_pf % n));
         detail::prefetch_bytes(view.k_data + view.k_offset(pre.page, pre.slot, ph), bytes);
-        detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, ph), bytes);
+        detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, ph), v_bytes);
       }
-      const std::size_t run_bytes = bytes * static_cast<std::size_t>(r);
-      std::memcpy(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h), run_bytes);
-      std::memcpy(v_out + it * dim, view.v_data + view.v_offset(cur.page, cur.slot, h), run_bytes);
+      const std::size_t run = static_cast<std::size_t>(r);
+      std::memcpy(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h), bytes * run);
+      std::memcpy(v_out + it * vdim, view.v_data + view.v_offset(cur.page, cur.slot, h),
+                  v_bytes * run);
       it += r;
     }
   });
@@ -127,8 +129,9 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
 template <class T>
 std::size_t compact_tokens_workspace_size(exec::Host ex, const PagedKVView<T>& view,
                                           std::int32_t keep_stride) {
-  if (keep_stride <= 0 || view.head_dim <= 0) return 0;
-  const std::size_t slice = 2 * static_cast<std::size_t>(keep_stride) * view.head_dim;
+  if (keep_stride <= 0 || view.head_dim <= 0 || view.v_head_dim <= 0) return 0;
+  const std::size_t slice =
+      static_cast<std::size_t>(keep_stride) * (static_cast<std::size_t>(view.head_dim) + view.v_head_dim);
   const std::size_t workers =
       static_cast<std::size_t>(detail::host_workers(ex, detail::kMaxHostThreads));
   return WorkspaceSizer().add<T>(slice * workers).bytes();
@@ -178,22 +181,24 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
                      StatusCode::kInvalidArgument, "workspace of ", ws.bytes,
                      " bytes is smaller than the ", need, " bytes compact_tokens needs");
   if (!any_kept) return Status::ok();
-  const std::int32_t dim = view.head_dim;
-  const std::size_t slice = 2 * static_cast<std::size_t>(keep_stride) * dim;
+  const std::int32_t dim = view.head_dim, vdim = view.v_head_dim;
+  const std::size_t slice =
+      static_cast<std::size_t>(keep_stride) * (static_cast<std::size_t>(dim) + vdim);
   T* staging =
       WorkspaceCarver(ws).take<T>(slice * detail::host_workers(ex, detail::kMaxHostThreads));
   if (staging == nullptr)
     return make_status(StatusCode::kInvalidArgument, "workspace of ", ws.bytes, " bytes too small");
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(dim);
+  const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(vdim);
   const std::int64_t ksh = view.k_stride_head, vsh = view.v_stride_head;
   // NHD: heads of a token are adjacent, so the heads of one item move in lockstep
   // (destination token rows are written whole). Head-major: one head per item, with runs
   // of consecutive kept tokens moved by one memmove when rows are packed.
-  const bool token_major = view.k_stride_head < view.k_stride_token;
+  const bool token_major = view.k_layout == KVLayout::kNHD;
   constexpr std::int32_t kMaxLock = 16;
   const std::int32_t hpi =
       token_major ? detail::heads_per_item(ex, view.batch_size, hkv, kMaxLock) : 1;
-  const bool packed = view.k_stride_token == dim && view.v_stride_token == dim;
+  const bool packed = view.k_stride_token == dim && view.v_stride_token == vdim;
   const std::int32_t ahead = detail::cpu::rows_ahead(bytes * static_cast<std::size_t>(hpi));
   const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * (hkv / hpi);
   detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int worker) {
@@ -222,15 +227,15 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
           cur.seek(view, b, kl[i]);
           std::memcpy(kst + static_cast<std::size_t>(i) * dim,
                       view.k_data + view.k_offset(cur.page, cur.slot, hh), bytes);
-          std::memcpy(vst + static_cast<std::size_t>(i) * dim,
-                      view.v_data + view.v_offset(cur.page, cur.slot, hh), bytes);
+          std::memcpy(vst + static_cast<std::size_t>(i) * vdim,
+                      view.v_data + view.v_offset(cur.page, cur.slot, hh), v_bytes);
         }
         for (std::int32_t i = 0; i < nk; ++i) {
           cur.seek(view, b, i);
           std::memcpy(view.k_data + view.k_offset(cur.page, cur.slot, hh),
                       kst + static_cast<std::size_t>(i) * dim, bytes);
           std::memcpy(view.v_data + view.v_offset(cur.page, cur.slot, hh),
-                      vst + static_cast<std::size_t>(i) * dim, bytes);
+                      vst + static_cast<std::size_t>(i) * vdim, v_bytes);
         }
       }
       if (na == 0) continue;
@@ -246,7 +251,7 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
             pre[a].seek(view, b, t);
             const detail::PageCursor& pc = pre[a];
             detail::prefetch_bytes(view.k_data + view.k_offset(pc.page, pc.slot, heads[a]), bytes);
-            detail::prefetch_bytes(view.v_data + view.v_offset(pc.page, pc.slot, heads[a]), bytes);
+            detail::prefetch_bytes(view.v_data + view.v_offset(pc.page, pc.slot, heads[a]), v_bytes);
           }
         dst.seek(view, b, i);
         if (na == 1 && packed) {  // head-major run of consecutive tokens
@@ -258,12 +263,12 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
           std::int32_t r = 1;
           while (r < max_r && kl[i + r] == t + r) ++r;
           if (t != i) {
-            const std::size_t run_bytes = bytes * static_cast<std::size_t>(r);
+            const std::size_t run = static_cast<std::size_t>(r);
             const std::int32_t h = heads[0];
             std::memmove(view.k_data + view.k_offset(dst.page, dst.slot, h),
-                         view.k_data + view.k_offset(src[0].page, src[0].slot, h), run_bytes);
+                         view.k_data + view.k_offset(src[0].page, src[0].slot, h), bytes * run);
             std::memmove(view.v_data + view.v_offset(dst.page, dst.slot, h),
-                         view.v_data + view.v_offset(src[0].page, src[0].slot, h), run_bytes);
+                         view.v_data + view.v_offset(src[0].page, src[0].slot, h), v_bytes * run);
           }
           i += r;
           continue;
@@ -280,7 +285,7 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
         for (std::int32_t a = 0; a < na; ++a) {
           if (kls[a][i] == i) continue;
           std::memcpy(vd + heads[a] * vsh,
-                      view.v_data + view.v_offset(src[a].page, src[a].slot, heads[a]), bytes);
+                      view.v_data + view.v_offset(src[a].page, src[a].slot, heads[a]), v_bytes);
         }
         ++i;
       }

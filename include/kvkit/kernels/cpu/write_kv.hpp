@@ -13,8 +13,8 @@
 
 namespace kvkit {
 
-/// Writes token i's key and value (num_kv_heads rows of head_dim elements, heads head_dim
-/// apart, tokens token_stride apart in `key`/`value`) to pool slot slot_mapping[i]
+/// Writes token i's key and value (num_kv_heads rows of head_dim / v_head_dim elements,
+/// rows packed, tokens token_stride / v_token_stride apart) to pool slot slot_mapping[i]
 /// (vLLM's reshape_and_cache: slot = page * page_size + offset). Negative slots are
 /// padding and skipped. All slots are checked before anything is written, so a failed
 /// call leaves the pool unchanged; if two tokens map to one slot, which one wins is
@@ -22,9 +22,10 @@ namespace kvkit {
 template <class T>
 Status write_kv(exec::Host ex, PagedKVView<T> view,
                 const T* key,                      // [num_tokens, Hkv, D] (token_stride)
-                const T* value,                    // [num_tokens, Hkv, D] (token_stride)
+                const T* value,                    // [num_tokens, Hkv, Dv] (v_token_stride)
                 const std::int64_t* slot_mapping,  // [num_tokens]
-                std::int32_t num_tokens, std::int64_t token_stride) {
+                std::int32_t num_tokens, std::int64_t token_stride,
+                std::int64_t v_token_stride = -1) {  // -1: token_stride
   KVKIT_RETURN_IF_ERROR(detail::check_host_view(view, /*check_table=*/false));
   KVKIT_CHECK_STATUS(num_tokens >= 0, StatusCode::kInvalidArgument, "num_tokens must be >= 0, got ",
                      num_tokens);
@@ -32,9 +33,13 @@ Status write_kv(exec::Host ex, PagedKVView<T> view,
   KVKIT_CHECK_STATUS(key != nullptr && value != nullptr && slot_mapping != nullptr,
                      StatusCode::kInvalidArgument,
                      "write_kv got a null key, value or slot_mapping");
+  if (v_token_stride < 0) v_token_stride = token_stride;
   const std::int64_t row = static_cast<std::int64_t>(view.num_kv_heads) * view.head_dim;
+  const std::int64_t v_row = static_cast<std::int64_t>(view.num_kv_heads) * view.v_head_dim;
   KVKIT_CHECK_STATUS(token_stride >= row, StatusCode::kInvalidArgument, "token_stride ",
                      token_stride, " is smaller than num_kv_heads*head_dim ", row);
+  KVKIT_CHECK_STATUS(v_token_stride >= v_row, StatusCode::kInvalidArgument, "v_token_stride ",
+                     v_token_stride, " is smaller than num_kv_heads*v_head_dim ", v_row);
   const std::int64_t num_slots = static_cast<std::int64_t>(view.num_pages_total) * view.page_size;
   for (std::int32_t i = 0; i < num_tokens; ++i) {
     const std::int64_t s = slot_mapping[i];
@@ -42,15 +47,17 @@ Status write_kv(exec::Host ex, PagedKVView<T> view,
                        " out of range [0, ", num_slots, ")");
   }
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.head_dim);
+  const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(view.v_head_dim);
   detail::parallel_for(ex, num_tokens, [&](std::int64_t begin, std::int64_t end, int) {
     for (std::int64_t i = begin; i < end; ++i) {
       const std::int64_t s = slot_mapping[i];
       if (s < 0) continue;
       const T* k = key + i * token_stride;
-      const T* v = value + i * token_stride;
+      const T* v = value + i * v_token_stride;
       for (std::int32_t h = 0; h < view.num_kv_heads; ++h) {
         std::memcpy(view.k_slot_ptr(s, h), k + static_cast<std::int64_t>(h) * view.head_dim, bytes);
-        std::memcpy(view.v_slot_ptr(s, h), v + static_cast<std::int64_t>(h) * view.head_dim, bytes);
+        std::memcpy(view.v_slot_ptr(s, h), v + static_cast<std::int64_t>(h) * view.v_head_dim,
+                    v_bytes);
       }
     }
   });
