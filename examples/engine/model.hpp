@@ -13,6 +13,7 @@
 // PagedKVView per layer whose page table already includes the new token.
 
 #include <Eigen/Dense>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -36,14 +37,38 @@ struct ForwardBatch {
   const std::int32_t* tokens = nullptr;     // [batch] input token ids
   const std::int32_t* positions = nullptr;  // [batch] RoPE positions (tokens seen before)
   const std::int64_t* slots = nullptr;      // [batch] slot (page * page_size + offset) of the new K/V
+  const std::int32_t* seq_ids = nullptr;    // [batch] caller's sequence id of each row (or null)
+};
+
+/// One layer's attention call handed to an AttentionFn. Row b of the view, q and out is
+/// the caller's sequence seq_ids[b] (never assume rows are sorted by id). The view already
+/// holds this step's K/V. `workspace` is caller-owned scratch of at least the hook's
+/// AttentionWorkspaceFn bytes and of what paged_decode_attention needs for this view, so a
+/// hook may fall back to the dense kernel; it is valid during the call only.
+struct AttentionCall {
+  int layer = 0;
+  PagedKVView<float> view;                 // this layer's K/V, batch rows as in seq_ids
+  const std::int32_t* seq_ids = nullptr;   // [batch] sequence id of each row
+  const float* q = nullptr;                // [batch, Hq, D] post-RoPE queries
+  float* out = nullptr;                    // [batch, Hq, D] attention output to write
+  DecodeAttentionParams params;            // query heads and softmax scale of the model
+  exec::Host exec;                         // the engine's host executor settings
+  Workspace workspace;                     // scratch, see above
 };
 
 /// Replaces the dense paged attention of one layer (a page-subset or packed-channel
-/// attention, for example). q and out are [batch, n_heads, head_dim]; the view already
-/// holds this step's K/V.
-using AttentionFn = std::function<Status(int layer, PagedKVView<float> view,
-                                         const float* q /* [batch, Hq, D] */,
-                                         float* out /* [batch, Hq, D] */)>;
+/// attention, for example). Returns a failed Status to fail the whole step: the Engine then
+/// leaves every sequence exactly as it was before the step.
+using AttentionFn = std::function<Status(const AttentionCall& call)>;
+
+/// Workspace bytes an AttentionFn needs for `view` (sized before the call, never inside).
+using AttentionWorkspaceFn = std::function<std::size_t(int layer, const PagedKVView<float>& view)>;
+
+/// An attention replacement and its workspace requirement (an empty `run`: dense attention).
+struct AttentionHook {
+  AttentionFn run;
+  AttentionWorkspaceFn workspace_size;  // empty: no scratch beyond the dense kernel's
+};
 
 class Model {
  public:
@@ -62,7 +87,7 @@ class Model {
     rope_sin_.resize(rope_cos_.size());
     for (int pos = 0; pos < c.seq_len; ++pos)
       for (int j = 0; j < half; ++j) {
-        const double freq = std::pow(kRopeTheta, -2.0 * j / c.head_dim());
+        const double freq = std::pow(c.rope_theta, -2.0 * j / c.head_dim());
         const double angle = pos * freq;
         rope_cos_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::cos(angle));
         rope_sin_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::sin(angle));
@@ -85,9 +110,9 @@ class Model {
   /// Runs one step. `views` holds one view per layer, each with batch_size == in.batch and
   /// a page table whose sequence b already counts the new token (its slot is in.slots[b]).
   /// Writes logits [batch, vocab]; `attention`, when set, replaces the dense attention.
-  /// Returns the first failing kernel's Status.
+  /// Returns the first failing kernel's (or hook's) Status.
   Status forward(const ForwardBatch& in, const PagedKVView<float>* views /* [n_layers] */,
-                 float* logits /* [batch, vocab] */, const AttentionFn* attention = nullptr) {
+                 float* logits /* [batch, vocab] */, const AttentionHook* attention = nullptr) {
     const ModelConfig& c = config();
     const std::int32_t B = in.batch;
     KVKIT_CHECK_STATUS(B > 0, StatusCode::kInvalidArgument, "batch must be > 0, got ", B);
@@ -132,13 +157,25 @@ class Model {
       }
       KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), in.slots, B,
                                      static_cast<std::int64_t>(kv)));
-      if (attention != nullptr && *attention) {
-        KVKIT_RETURN_IF_ERROR((*attention)(l, view, q.data(), att.data()));
+      std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
+      const bool hooked = attention != nullptr && attention->run;
+      if (hooked && attention->workspace_size)
+        need = std::max(need, attention->workspace_size(l, view));
+      if (ws_.size() < need) ws_.resize(need);  // grows to the largest batch once
+      const Workspace ws{ws_.data(), ws_.size()};
+      if (hooked) {
+        AttentionCall call;
+        call.layer = l;
+        call.view = view;
+        call.seq_ids = in.seq_ids;
+        call.q = q.data();
+        call.out = att.data();
+        call.params = ap;
+        call.exec = ex;
+        call.workspace = ws;
+        KVKIT_RETURN_IF_ERROR(attention->run(call));
       } else {
-        const std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
-        if (ws_.size() < need) ws_.resize(need);
-        KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q.data(), att.data(), ap,
-                                                     Workspace{ws_.data(), ws_.size()}));
+        KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q.data(), att.data(), ap, ws));
       }
       matvec(W(ck_->wo(l), dim, dim), att, xb);
       x += xb;
@@ -188,7 +225,7 @@ class Model {
     const int dim = config().dim;
     Eigen::Map<const Eigen::VectorXf> w(weight, dim);
     for (Eigen::Index b = 0; b < x.cols(); ++b) {
-      const float ss = x.col(b).squaredNorm() / static_cast<float>(dim) + kRmsEps;
+      const float ss = x.col(b).squaredNorm() / static_cast<float>(dim) + config().norm_eps;
       y.col(b) = x.col(b).cwiseProduct(w) * (1.f / std::sqrt(ss));
     }
   }
