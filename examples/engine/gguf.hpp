@@ -135,17 +135,22 @@ inline std::string ggml_type_name(std::uint32_t t) {
   return tr.name ? std::string(tr.name) : kvkit::detail::concat("type ", t);
 }
 
-/// One metadata value. Scalars live in the field of their kind (integers and bools in
-/// `i`, except uint64 in `u`; floats in `f`; strings in `s`); arrays hold their elements
-/// (all of type `array_type`, possibly arrays themselves) in `array`.
+/// One metadata value. Scalars are decoded at parse (integers and bools in `i`, uint64
+/// also in `u` (`i` saturates), floats in `f`, strings in `s`). Arrays are not copied: they
+/// keep their element type, count and a pointer to their encoded elements inside the file
+/// image (valid while any copy of the GgufFile lives) and decode elements on access, so a
+/// corrupted count can never make the parser allocate more than the file holds. Read them
+/// with GgufFile::get_*_array, or elements() / element(k) here.
 struct GgufValue {
   GgufType type = GgufType::kUint8;
   std::int64_t i = 0;
   std::uint64_t u = 0;
   double f = 0.0;
   std::string s;
-  GgufType array_type = GgufType::kUint8;  // element type when type == kArray
-  std::vector<GgufValue> array;
+  GgufType array_type = GgufType::kUint8;     // element type when type == kArray
+  std::uint64_t array_count = 0;              // elements when type == kArray
+  const unsigned char* array_data = nullptr;  // [array_bytes] encoded elements (in the file)
+  std::uint64_t array_bytes = 0;
 
   bool is_integer() const {
     switch (type) {
@@ -156,10 +161,18 @@ struct GgufValue {
     }
   }
   bool is_float() const { return type == GgufType::kFloat32 || type == GgufType::kFloat64; }
+  bool is_array() const { return type == GgufType::kArray; }
   /// "uint32", "string", "array of string", ...
   std::string type_string() const {
     return type == GgufType::kArray ? "array of " + gguf_type_name(array_type) : gguf_type_name(type);
   }
+  /// Element count of an array (0 for a scalar).
+  std::uint64_t size() const { return is_array() ? array_count : 0; }
+  /// Every element of an array, decoded (nested arrays stay lazy). Empty for a scalar.
+  inline std::vector<GgufValue> elements() const;
+  /// Element k of an array: O(1) for numeric and bool elements, a walk for strings and
+  /// arrays. Throws kvkit::Error when k >= size().
+  inline GgufValue element(std::uint64_t k) const;
 };
 
 /// One metadata entry, in file order.
@@ -197,31 +210,42 @@ inline float gguf_f16(const unsigned char* p) {
   return kvkit::detail::half_bits_to_float(h);
 }
 
-// Bounds-checked little-endian cursor over the file image.
+// Bounds-checked little-endian cursor over the file image. Messages are built only on
+// failure: "what" is a literal and subject() names the key or tensor being read.
 class GgufReader {
  public:
-  GgufReader(const unsigned char* data /* [size] */, std::uint64_t size, const std::string& source)
-      : data_(data), size_(size), source_(source) {}
+  GgufReader(const unsigned char* data /* [size] */, std::uint64_t size, std::string source)
+      : data_(data), size_(size), source_(std::move(source)) {}
 
   std::uint64_t pos() const { return pos_; }
   std::uint64_t remaining() const { return size_ - pos_; }
+  const unsigned char* here() const { return data_ + pos_; }
+  const std::string& source() const { return source_; }
+  void set_subject(std::string s) { subject_ = std::move(s); }
+  std::string where() const {
+    return subject_.empty() ? std::string() : " of " + subject_;
+  }
 
-  void need(std::uint64_t n, const std::string& what) const {
+  void need(std::uint64_t n, const char* what) const {
     if (n > remaining())
-      fail("kvkit: gguf ", source_, ": truncated file: ", what, " at byte ", pos_, " needs ", n,
-           " bytes but the file has ", remaining(), " left (", size_, " bytes in all)");
+      fail("kvkit: gguf ", source_, ": truncated file: ", what, where(), " at byte ", pos_,
+           " needs ", n, " bytes but the file has ", remaining(), " left (", size_, " bytes in all)");
+  }
+  void skip(std::uint64_t n, const char* what) {
+    need(n, what);
+    pos_ += n;
   }
   template <class T>
-  T read(const std::string& what) {
+  T read(const char* what) {
     need(sizeof(T), what);
     T v;
     std::memcpy(&v, data_ + pos_, sizeof(T));
     pos_ += sizeof(T);
     return v;
   }
-  std::string read_string(const std::string& what) {
-    const std::uint64_t n = read<std::uint64_t>(what + " length");
-    need(n, kvkit::detail::concat(what, " (", n, " bytes)"));
+  std::string read_string(const char* what) {
+    const std::uint64_t n = read<std::uint64_t>(what);
+    need(n, what);
     std::string s(reinterpret_cast<const char*>(data_ + pos_), static_cast<std::size_t>(n));
     pos_ += n;
     return s;
@@ -231,26 +255,58 @@ class GgufReader {
   const unsigned char* data_;
   std::uint64_t size_;
   std::uint64_t pos_ = 0;
-  const std::string& source_;
+  std::string source_;
+  std::string subject_;
 };
 
-// Smallest encoded size of a value of type t (to bound array counts before reserving).
-inline std::uint64_t gguf_min_value_bytes(GgufType t) {
+// Encoded size of a fixed-size value type, 0 for strings and arrays.
+inline std::uint64_t gguf_fixed_bytes(GgufType t) {
   switch (t) {
     case GgufType::kUint8: case GgufType::kInt8: case GgufType::kBool: return 1;
     case GgufType::kUint16: case GgufType::kInt16: return 2;
     case GgufType::kUint32: case GgufType::kInt32: case GgufType::kFloat32: return 4;
     case GgufType::kUint64: case GgufType::kInt64: case GgufType::kFloat64: return 8;
-    case GgufType::kString: return 8;   // length
-    case GgufType::kArray: return 12;   // type + count
+    default: return 0;
   }
-  return 1;
 }
 
 inline constexpr int kGgufMaxArrayDepth = 8;
 
-inline void gguf_read_value(GgufReader& r, GgufType t, GgufValue& v, const std::string& key,
-                            int depth, const std::string& source) {
+inline GgufType gguf_read_type(GgufReader& r, const char* what) {
+  const std::uint32_t t = r.read<std::uint32_t>(what);
+  if (t > 12)
+    fail("kvkit: gguf ", r.source(), ": ", what, r.where(), " is unknown (", t, ") at byte ", r.pos() - 4);
+  return static_cast<GgufType>(t);
+}
+
+// Validates and skips `n` encoded elements of type `t` (arrays nested `depth` deep).
+inline void gguf_skip_elements(GgufReader& r, GgufType t, std::uint64_t n, int depth) {
+  if (const std::uint64_t size = gguf_fixed_bytes(t)) {
+    if (n > r.remaining() / size)
+      fail("kvkit: gguf ", r.source(), ": truncated file: an array", r.where(), " claims ", n, " ",
+           gguf_type_name(t), " elements (", size, " bytes each) but only ", r.remaining(),
+           " bytes are left at byte ", r.pos());
+    r.skip(n * size, "array elements");
+    return;
+  }
+  for (std::uint64_t k = 0; k < n; ++k) {
+    if (t == GgufType::kString) {
+      const std::uint64_t len = r.read<std::uint64_t>("string element length");
+      r.skip(len, "string element");
+    } else {  // nested array
+      if (depth >= kGgufMaxArrayDepth)
+        fail("kvkit: gguf ", r.source(), r.where(), ": arrays nested deeper than ",
+             kGgufMaxArrayDepth, " levels at byte ", r.pos());
+      const GgufType et = gguf_read_type(r, "array element type");
+      const std::uint64_t m = r.read<std::uint64_t>("array length");
+      gguf_skip_elements(r, et, m, depth + 1);
+    }
+  }
+}
+
+// Decodes one value of type `t` (arrays: validated and referenced, not copied).
+inline void gguf_read_value(GgufReader& r, GgufType t, GgufValue& v, int depth) {
+  const char* const key = "value";
   v.type = t;
   switch (t) {
     case GgufType::kUint8: v.i = r.read<std::uint8_t>(key); break;
@@ -266,40 +322,47 @@ inline void gguf_read_value(GgufReader& r, GgufType t, GgufValue& v, const std::
     case GgufType::kInt64: v.i = r.read<std::int64_t>(key); break;
     case GgufType::kFloat32: v.f = r.read<float>(key); break;
     case GgufType::kFloat64: v.f = r.read<double>(key); break;
-    case GgufType::kBool: {
-      const std::uint8_t b = r.read<std::uint8_t>(key);
-      if (b > 1) fail("kvkit: gguf ", source, ": key '", key, "': bool value ", int(b), " at byte ",
-                      r.pos() - 1, " is neither 0 nor 1");
-      v.i = b;
-      break;
-    }
-    case GgufType::kString: v.s = r.read_string(kvkit::detail::concat("string value of '", key, "'")); break;
+    case GgufType::kBool: v.i = r.read<std::uint8_t>(key) != 0; break;
+    case GgufType::kString: v.s = r.read_string("string value"); break;
     case GgufType::kArray: {
       if (depth >= kGgufMaxArrayDepth)
-        fail("kvkit: gguf ", source, ": key '", key, "': arrays nested deeper than ",
+        fail("kvkit: gguf ", r.source(), r.where(), ": arrays nested deeper than ",
              kGgufMaxArrayDepth, " levels at byte ", r.pos());
-      const std::uint32_t et = r.read<std::uint32_t>("array element type of '" + key + "'");
-      if (et > 12)
-        fail("kvkit: gguf ", source, ": key '", key, "': unknown array element type ", et,
-             " at byte ", r.pos() - 4);
-      v.array_type = static_cast<GgufType>(et);
-      const std::uint64_t n = r.read<std::uint64_t>("array length of '" + key + "'");
-      const std::uint64_t min_bytes = gguf_min_value_bytes(v.array_type);
-      if (n > r.remaining() / min_bytes)
-        fail("kvkit: gguf ", source, ": truncated file: key '", key, "' claims ", n, " ",
-             gguf_type_name(v.array_type), " elements (at least ", min_bytes,
-             " bytes each) but only ", r.remaining(), " bytes are left at byte ", r.pos());
-      v.array.resize(static_cast<std::size_t>(n));
-      for (GgufValue& e : v.array) gguf_read_value(r, v.array_type, e, key, depth + 1, source);
+      v.array_type = gguf_read_type(r, "array element type");
+      v.array_count = r.read<std::uint64_t>("array length");
+      const std::uint64_t start = r.pos();
+      v.array_data = r.here();
+      gguf_skip_elements(r, v.array_type, v.array_count, depth + 1);
+      v.array_bytes = r.pos() - start;
       break;
     }
-    default:
-      fail("kvkit: gguf ", source, ": key '", key, "' has unknown value type ",
-           static_cast<std::uint32_t>(t), " at byte ", r.pos() - 4);
   }
 }
 
 }  // namespace detail
+
+inline std::vector<GgufValue> GgufValue::elements() const {
+  std::vector<GgufValue> out;
+  if (!is_array()) return out;
+  out.resize(static_cast<std::size_t>(array_count));
+  detail::GgufReader r(array_data, array_bytes, "array");
+  for (GgufValue& e : out) detail::gguf_read_value(r, array_type, e, 1);
+  return out;
+}
+
+inline GgufValue GgufValue::element(std::uint64_t k) const {
+  KVKIT_CHECK(is_array() && k < array_count, "kvkit: gguf: element ", k, " of a ", type_string(),
+              " value of ", size(), " elements");
+  detail::GgufReader r(array_data, array_bytes, "array");
+  if (const std::uint64_t size = detail::gguf_fixed_bytes(array_type)) {
+    r.skip(k * size, "array element");
+  } else {
+    detail::gguf_skip_elements(r, array_type, k, 1);
+  }
+  GgufValue e;
+  detail::gguf_read_value(r, array_type, e, 1);
+  return e;
+}
 
 /// Converts `n` elements of a tensor of ggml type `type` starting at `src` to float.
 /// `n` must be a multiple of the type's block size (tensor rows always are). Throws
@@ -463,26 +526,23 @@ class GgufFile {
   bool get_bool(const std::string& key, bool fallback) const { return has(key) ? get_bool(key) : fallback; }
 
   /// Element count of an array value; throws when absent or not an array.
-  std::uint64_t array_size(const std::string& key) const { return require_array(key).array.size(); }
+  std::uint64_t array_size(const std::string& key) const { return require_array(key).array_count; }
+  /// An array of strings (tokenizer.ggml.tokens, merges); throws on another element type.
   std::vector<std::string> get_string_array(const std::string& key) const {
-    const GgufValue& v = require_array(key);
     std::vector<std::string> out;
-    out.reserve(v.array.size());
-    for (const GgufValue& e : v.array) out.push_back(as_string(e, key + " element"));
+    for_each_element(key, [&](GgufValue& e) { out.push_back(std::move(e.s)); }, "string");
     return out;
   }
+  /// An array of integers of any integer type (or bools) as int64.
   std::vector<std::int64_t> get_int_array(const std::string& key) const {
-    const GgufValue& v = require_array(key);
     std::vector<std::int64_t> out;
-    out.reserve(v.array.size());
-    for (const GgufValue& e : v.array) out.push_back(as_int(e, key + " element"));
+    for_each_element(key, [&](GgufValue& e) { out.push_back(as_int(e, key + " element")); }, "integer");
     return out;
   }
+  /// An array of numbers (floats or integers) as double.
   std::vector<double> get_float_array(const std::string& key) const {
-    const GgufValue& v = require_array(key);
     std::vector<double> out;
-    out.reserve(v.array.size());
-    for (const GgufValue& e : v.array) out.push_back(as_float(e, key + " element"));
+    for_each_element(key, [&](GgufValue& e) { out.push_back(as_float(e, key + " element")); }, "number");
     return out;
   }
 
@@ -516,6 +576,26 @@ class GgufFile {
     const GgufValue* v = find(key);
     if (!v) fail("kvkit: gguf ", source_, ": missing metadata key '", key, "'");
     return *v;
+  }
+  // Decodes each element of array `key` into one reused value and hands it to f; throws
+  // (naming `expected`) when the elements are not of an acceptable type.
+  template <class F>
+  void for_each_element(const std::string& key, F f, const char* expected) const {
+    const GgufValue& v = require_array(key);
+    GgufValue probe;
+    probe.type = v.array_type;
+    const bool ok = std::string(expected) == "string"
+                        ? v.array_type == GgufType::kString
+                        : (probe.is_integer() || v.array_type == GgufType::kBool ||
+                           (std::string(expected) == "number" && probe.is_float()));
+    KVKIT_CHECK(ok, "kvkit: gguf ", source_, ": key '", key, "' is ", v.type_string(),
+                ", expected an array of ", expected, "s");
+    detail::GgufReader r(v.array_data, v.array_bytes, source_);
+    GgufValue e;
+    for (std::uint64_t k = 0; k < v.array_count; ++k) {
+      detail::gguf_read_value(r, v.array_type, e, 1);
+      f(e);
+    }
   }
   const GgufValue& require_array(const std::string& key) const {
     const GgufValue& v = require(key);
@@ -567,11 +647,11 @@ class GgufFile {
     kv_.reserve(static_cast<std::size_t>(n_kv));
     for (std::uint64_t k = 0; k < n_kv; ++k) {
       GgufKeyValue kv;
-      kv.key = r.read_string(kvkit::detail::concat("metadata key #", k));
-      const std::uint32_t t = r.read<std::uint32_t>("value type of '" + kv.key + "'");
-      KVKIT_CHECK(t <= 12, "kvkit: gguf ", source_, ": key '", kv.key, "' has unknown value type ", t,
-                  " at byte ", r.pos() - 4);
-      detail::gguf_read_value(r, static_cast<GgufType>(t), kv.value, kv.key, 0, source_);
+      r.set_subject(kvkit::detail::concat("metadata entry #", k));
+      kv.key = r.read_string("key");
+      r.set_subject("key '" + kv.key + "'");
+      const GgufType t = detail::gguf_read_type(r, "value type");
+      detail::gguf_read_value(r, t, kv.value, 0);
       KVKIT_CHECK(kv_index_.emplace(kv.key, kv_.size()).second, "kvkit: gguf ", source_,
                   ": duplicate metadata key '", kv.key, "'");
       kv_.push_back(std::move(kv));
@@ -591,28 +671,30 @@ class GgufFile {
     tensors_.reserve(static_cast<std::size_t>(n_tensors));
     for (std::uint64_t k = 0; k < n_tensors; ++k) {
       GgufTensorInfo t;
-      t.name = r.read_string(kvkit::detail::concat("name of tensor #", k));
+      r.set_subject(kvkit::detail::concat("tensor info #", k));
+      t.name = r.read_string("name");
       const std::string what = "tensor '" + t.name + "'";
-      t.n_dims = r.read<std::uint32_t>(what + " dimension count");
+      r.set_subject(what);
+      t.n_dims = r.read<std::uint32_t>("dimension count");
       KVKIT_CHECK(t.n_dims >= 1 && t.n_dims <= 4, "kvkit: gguf ", source_, ": ", what, " has ",
                   t.n_dims, " dimensions (expected 1 to 4)");
       t.n_elements = 1;
       for (std::uint32_t d = 0; d < t.n_dims; ++d) {
-        t.ne[d] = r.read<std::uint64_t>(what + " shape");
+        t.ne[d] = r.read<std::uint64_t>("shape");
         KVKIT_CHECK(t.ne[d] > 0 && t.ne[d] <= (std::uint64_t{1} << 40) &&
                         t.n_elements <= (std::uint64_t{1} << 50) / t.ne[d],
                     "kvkit: gguf ", source_, ": ", what, " has an invalid dimension ne[", d,
                     "] = ", t.ne[d]);
         t.n_elements *= t.ne[d];
       }
-      t.type = r.read<std::uint32_t>(what + " type");
+      t.type = r.read<std::uint32_t>("type");
       const GgmlTypeTraits tr = ggml_type_traits(t.type);
       KVKIT_CHECK(tr.name != nullptr, "kvkit: gguf ", source_, ": ", what,
                   " has an unsupported tensor type ", t.type);
       KVKIT_CHECK(t.ne[0] % tr.block == 0, "kvkit: gguf ", source_, ": ", what, " row length ",
                   t.ne[0], " is not a multiple of the ", tr.name, " block size ", tr.block);
       t.n_bytes = t.n_elements / tr.block * tr.bytes;  // < 2^50 * 292 / 1: no overflow
-      t.offset = r.read<std::uint64_t>(what + " offset");
+      t.offset = r.read<std::uint64_t>("offset");
       KVKIT_CHECK(t.offset % alignment_ == 0, "kvkit: gguf ", source_, ": ", what, " offset ",
                   t.offset, " is not a multiple of the alignment ", alignment_);
       KVKIT_CHECK(tensor_index_.emplace(t.name, tensors_.size()).second, "kvkit: gguf ", source_,
