@@ -36,6 +36,8 @@ struct ModelConfig {
   std::int32_t vocab_size = 0;  // always positive here
   std::int32_t seq_len = 0;     // maximum positions
   bool shared_classifier = true;  // classifier == token embedding
+  double rope_theta = 10000.0;    // RoPE base (llama2.c files: 10000; GGUF: rope.freq_base)
+  float norm_eps = 1e-5f;         // RMSNorm epsilon
 
   std::int32_t head_dim() const { return n_heads > 0 ? dim / n_heads : 0; }
   std::int32_t kv_dim() const { return n_heads > 0 ? n_kv_heads * (dim / n_heads) : 0; }
