@@ -5,7 +5,7 @@
 set -euo pipefail
 
 packages=(build-essential cmake libeigen3-dev catch2 libbenchmark-dev libhiredis-dev
-          redis-server libzstd-dev python3)
+          redis-server libzstd-dev python3 libcli11-dev nlohmann-json3-dev)
 
 missing=()
 if command -v dpkg-query >/dev/null 2>&1; then
