@@ -13,6 +13,9 @@ enum class MemorySpace : unsigned char { kHost = 0, kCuda = 1 };
 /// "host" or "cuda", for messages.
 inline const char* to_string(MemorySpace s) { return s == MemorySpace::kHost ? "host" : "cuda"; }
 
+/// Device-side error word of the CUDA backend (defined in <kvkit/cuda.cuh>).
+struct DeviceStatus;
+
 namespace exec {
 
 /// CPU execution. `threads` <= 1 runs on the calling thread; more splits the outer loop
@@ -23,9 +26,12 @@ struct Host {
 };
 
 /// CUDA execution on `stream` (a cudaStream_t stored as void* so this header needs no
-/// CUDA headers; nullptr is the legacy default stream).
+/// CUDA headers; nullptr is the legacy default stream). `status` is where the kernels
+/// report bad device-resident indices (see DeviceStatus); operations that launch
+/// kernels require it.
 struct Cuda {
   void* stream = nullptr;
+  DeviceStatus* status = nullptr;  // [1] device memory, or nullptr
   static constexpr MemorySpace space = MemorySpace::kCuda;
 };
 

@@ -1,15 +1,26 @@
 #pragma once
-// Paged decode attention on CUDA: one query token per sequence against all its cached
-// tokens, GQA, float accumulation, online softmax. Twin of kernels/cpu/attention.hpp.
+// Paged decode attention on CUDA: one query token per sequence against its cached
+// tokens, GQA, float accumulation, online softmax, and the variants of
+// DecodeAttentionParams (page subset, channel-restricted K/V, scores out). Also the
+// log-sum-exp merge of two attention states. Twin of kernels/cpu/attention.hpp.
 //
 // Work split: a block owns (sequence b, kv head, GB query heads of that kv head, split s)
 // so each K/V row is loaded once for GB query heads. Within the block, "token groups" of
 // TG lanes each hold one token's K/V row (VEC elements per lane per vector load) and keep
 // an online-softmax state (max, sum, unnormalised output slice) per query head; groups
-// are merged by warp shuffles, warps through shared memory. Long sequences are cut into
+// are merged by warp shuffles, warps through shared memory. Long token lists are cut into
 // up to kMaxSplits chunks run by separate blocks (split-K); their partial states go to
 // the workspace and a second kernel merges them. Scores are kept in the log2 domain
 // (q pre-scaled by sm_scale * log2(e)) so exponentials are exp2f.
+//
+// One kernel serves every variant; the variants only change three small pieces:
+//   - PageList / locate_token: which tokens (b, kv head) reads (all pages or a subset),
+//   - load_query: q[hq] or q[hq][k_channels] (keys stored with fewer channels),
+//   - the output store: out[d] or out[v_channels[d]] (rest zeroed by a fill kernel),
+// plus an optional scores store; the tile loop and online-softmax update are shared.
+// K rows (head_dim) and V rows (v_head_dim) are both held in a register tile of DT
+// elements, DT = the smallest compiled size >= both; lanes past a row's length load
+// zeros.
 
 #include <cmath>
 #include <cstddef>
@@ -61,59 +72,175 @@ KVKIT_DEVICE void merge_state(float& m, float& l,
 }
 
 // Final or partial result of a block: (m, l, acc) per query head in shared memory.
-template <int D, int GB>
+template <int DT, int GB>
 struct DecodeSmem {
   float m[kAttnWarps][GB];
   float l[kAttnWarps][GB];
-  float acc[kAttnWarps][GB][D];
+  float acc[kAttnWarps][GB][DT];
 };
 
-template <class T, int D, int VEC, int GB>
+// Everything a decode launch passes besides the view (one struct keeps signatures short).
+template <class T>
+struct DecodeArgs {
+  const T* q = nullptr;                          // [batch, Hq, q_width]
+  T* out = nullptr;                              // [batch, Hq, out_width]
+  float* lse = nullptr;                          // [batch, Hq] or null
+  float* part_acc = nullptr;                     // [batch, Hq, S, Dv] when S > 1
+  float* part_m = nullptr;                       // [batch, Hq, S] when S > 1
+  float* part_l = nullptr;                       // [batch, Hq, S] when S > 1
+  const std::int32_t* subset_indptr = nullptr;   // [batch * Hkv + 1] or null
+  const std::int32_t* subset = nullptr;          // [subset_indptr[batch * Hkv]]
+  const std::int32_t* k_channels = nullptr;      // [Hkv, D] or null
+  const std::int32_t* v_channels = nullptr;      // [Hkv, Dv] or null
+  float* scores = nullptr;                       // [batch, Hq, scores_stride] or null
+  std::int64_t scores_stride = 0;
+  std::int32_t num_qo_heads = 0, group_size = 0, q_width = 0, out_width = 0, q_dim = 0;
+  std::int32_t num_splits = 1;
+  float q_scale = 0.f;                           // sm_scale * log2(e)
+  DeviceStatus* status = nullptr;                // [1]
+};
+
+// Page iteration: the tokens (sequence b, kv head h) reads, in order. Token u of the
+// list is slot u % page_size of list entry u / page_size; only the sequence's last
+// page can be partial, and in a strictly ascending subset it can only be the last entry.
+struct PageList {
+  const std::int32_t* pages;  // [count] logical page indices of b, or null: 0..count-1
+  std::int32_t count;         // entries
+  std::int32_t tokens;        // tokens over all entries
+  KVKIT_DEVICE std::int32_t logical(std::int32_t i) const { return pages ? pages[i] : i; }
+};
+
+template <class T>
+KVKIT_DEVICE PageList page_list(const PagedKVView<T>& view, const DecodeArgs<T>& a, std::int32_t b,
+                                std::int32_t h) {
+  const std::int32_t len = view.seq_len(b);
+  const std::int32_t np = view.num_pages(b);
+  if (a.subset_indptr == nullptr) return {nullptr, np, len};
+  const std::int64_t r = static_cast<std::int64_t>(b) * view.num_kv_heads + h;
+  const std::int32_t beg = a.subset_indptr[r];
+  PageList pl{a.subset + beg, a.subset_indptr[r + 1] - beg, 0};
+  if (pl.count > 0) {
+    const std::int32_t last = pl.pages[pl.count - 1];
+    const std::int32_t last_tokens =
+        last == np - 1 ? len - (np - 1) * view.page_size : view.page_size;
+    pl.tokens = (pl.count - 1) * view.page_size + last_tokens;
+  }
+  return pl;
+}
+
+// Token u of a page list: its logical position t in the sequence, physical page, slot.
+struct TokenLoc {
+  std::int32_t t, page, slot;
+};
+template <class T>
+KVKIT_DEVICE TokenLoc locate_token(const PagedKVView<T>& view, const PageList& pl, std::int32_t b,
+                                   std::int32_t u) {
+  const std::int32_t i = u / view.page_size;
+  const std::int32_t slot = u - i * view.page_size;
+  const std::int32_t lp = pl.logical(i);
+  return {lp * view.page_size + slot, view.page_id(b, lp), slot};
+}
+
+// Loads the lane's slice of query row `qrow` (elements (v * TG + lig) * VEC + [0, VEC)
+// below `dim`, zeros past it), through the channel map when keys are channel-restricted,
+// and scales it.
+template <class T, int VEC, int TG, int NV>
+KVKIT_DEVICE void load_query(const T* qrow,              // [q_width]
+                             const std::int32_t* chans,  // [dim] channels of this kv head, or null
+                             int dim, int lig, float scale, float* qv) {  // qv: [NV * VEC]
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int c = (v * TG + lig) * VEC;
+    float* dst = qv + v * VEC;
+    if (c >= dim) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dst[e] = 0.f;
+    } else if (chans != nullptr) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dst[e] = load_float(qrow[chans[c + e]]);
+    } else {
+      load_vec_float<T, VEC>(qrow + c, dst);
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dst[e] *= scale;
+  }
+}
+
+// Loads the lane's slice of a K or V row (zeros past `dim`).
+template <class T, int VEC, int TG, int NV>
+KVKIT_DEVICE void load_row(const T* row, int dim, int lig, float* x) {  // x: [NV * VEC]
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int c = (v * TG + lig) * VEC;
+    if (c < dim) {
+      load_vec_float<T, VEC>(row + c, x + v * VEC);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) x[v * VEC + e] = 0.f;
+    }
+  }
+}
+
+// The online-softmax update of one query head by one token with score s (log2 domain).
+template <int E>
+KVKIT_DEVICE void online_update(float& m, float& l, float* acc,  // [E]
+                                float s, const float* vf) {      // [E]
+  const float mn = fmaxf(m, s);
+  const float c = exp2f(m - mn);  // 0 on the first token (m = -inf)
+  const float p = exp2f(s - mn);
+  l = l * c + p;
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = fmaf(p, vf[e], acc[e] * c);
+  m = mn;
+}
+
+// Output column of V channel d of kv head kvh.
+template <class T>
+KVKIT_DEVICE std::int64_t out_column(const DecodeArgs<T>& a, std::int32_t kvh, std::int32_t vdim,
+                                     std::int32_t d) {
+  return a.v_channels ? a.v_channels[static_cast<std::int64_t>(kvh) * vdim + d] : d;
+}
+
+template <class T, int DT, int VEC, int GB>
 __global__ void __launch_bounds__(kAttnThreads)
-    decode_attention_kernel(PagedKVView<T> view,
-                            const T* __restrict__ q,        // [batch, Hq, D]
-                            T* __restrict__ out,            // [batch, Hq, D]
-                            float* __restrict__ lse,        // [batch, Hq] or null
-                            float* __restrict__ part_acc,   // [batch, Hq, S, D] when S > 1
-                            float* __restrict__ part_m,     // [batch, Hq, S] when S > 1
-                            float* __restrict__ part_l,     // [batch, Hq, S] when S > 1
-                            std::int32_t num_qo_heads, std::int32_t group_size,
-                            float q_scale, std::int32_t num_splits) {
-  constexpr int kChunks = D / VEC;                  // vectors per row
+    decode_attention_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
+  constexpr int kChunks = DT / VEC;                 // vectors per row tile
   constexpr int TG = kChunks < 32 ? kChunks : 32;   // lanes per token group
   constexpr int NV = kChunks / TG;                  // vectors per lane
   constexpr int GPW = 32 / TG;                      // token groups per warp
   constexpr int E = NV * VEC;                       // row elements per lane
-  static_assert(kChunks * VEC == D && NV * TG == kChunks && GPW * TG == 32, "tiling");
-  __shared__ DecodeSmem<D, GB> sm;
+  static_assert(kChunks * VEC == DT && NV * TG == kChunks && GPW * TG == 32, "tiling");
+  __shared__ DecodeSmem<DT, GB> sm;
+  if (failed(a.status)) return;  // uniform: every thread of the block returns
 
   const std::int32_t b = static_cast<std::int32_t>(blockIdx.x);
-  const std::int32_t blocks_per_kv = group_size / GB;
+  const std::int32_t blocks_per_kv = a.group_size / GB;
   const std::int32_t kvh = static_cast<std::int32_t>(blockIdx.y) / blocks_per_kv;
-  const std::int32_t hq0 = kvh * group_size + (static_cast<std::int32_t>(blockIdx.y) % blocks_per_kv) * GB;
+  const std::int32_t hq0 =
+      kvh * a.group_size + (static_cast<std::int32_t>(blockIdx.y) % blocks_per_kv) * GB;
   const std::int32_t split = static_cast<std::int32_t>(blockIdx.z);
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int lig = lane % TG;  // lane in its token group
+  const int kdim = view.head_dim, vdim = view.v_head_dim;
 
-  // This block's token range [t_begin, t_end).
-  const std::int32_t len = view.seq_len(b);
-  std::int64_t chunk = (static_cast<std::int64_t>(len) + num_splits - 1) / num_splits;
+  // This block's range [u_begin, u_end) of the (b, kvh) token list.
+  const PageList pl = page_list(view, a, b, kvh);
+  std::int64_t chunk = (static_cast<std::int64_t>(pl.tokens) + a.num_splits - 1) / a.num_splits;
   if (chunk < kMinSplitTokens) chunk = kMinSplitTokens;
   const std::int64_t tb = split * chunk;
-  const std::int32_t t_begin = static_cast<std::int32_t>(tb < len ? tb : len);
-  const std::int32_t t_end = static_cast<std::int32_t>(tb + chunk < len ? tb + chunk : len);
+  const std::int32_t u_begin = static_cast<std::int32_t>(tb < pl.tokens ? tb : pl.tokens);
+  const std::int32_t u_end =
+      static_cast<std::int32_t>(tb + chunk < pl.tokens ? tb + chunk : pl.tokens);
 
-  // Lane's slice of each query row: elements (v * TG + lig) * VEC + [0, VEC).
+  const std::int32_t* kch =
+      a.k_channels ? a.k_channels + static_cast<std::int64_t>(kvh) * kdim : nullptr;
   float qv[GB][E];
 #pragma unroll
-  for (int g = 0; g < GB; ++g) {
-    const T* qrow = q + (static_cast<std::int64_t>(b) * num_qo_heads + hq0 + g) * D;
-#pragma unroll
-    for (int v = 0; v < NV; ++v) load_vec_float<T, VEC>(qrow + (v * TG + lig) * VEC, &qv[g][v * VEC]);
-#pragma unroll
-    for (int e = 0; e < E; ++e) qv[g][e] *= q_scale;
-  }
+  for (int g = 0; g < GB; ++g)
+    load_query<T, VEC, TG, NV>(a.q + (static_cast<std::int64_t>(b) * a.num_qo_heads + hq0 + g) *
+                                         a.q_width,
+                               kch, kdim, lig, a.q_scale, qv[g]);
   float m[GB], l[GB], acc[GB][E];
 #pragma unroll
   for (int g = 0; g < GB; ++g) {
@@ -127,29 +254,30 @@ __global__ void __launch_bounds__(kAttnThreads)
   // loads before using them (more loads in flight per lane). The trip count depends only
   // on the warp, so every lane reaches every shuffle.
   constexpr int kWarpTokens = kUnroll * GPW;
-  for (std::int32_t base = t_begin + warp * kWarpTokens; base < t_end;
+  for (std::int32_t base = u_begin + warp * kWarpTokens; base < u_end;
        base += kAttnWarps * kWarpTokens) {
     float kf[kUnroll][E], vf[kUnroll][E];
     bool valid[kUnroll];
+    std::int32_t tok[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const std::int32_t t = base + u * GPW + lane / TG;
-      std::int32_t page = -1;
-      if (t < t_end) {
-        page = view.page_id(b, t / view.page_size);
-        if (page >= view.num_pages_total) page = -1;  // bad device entry: skip the token
-      }
-      valid[u] = page >= 0;
-      if (valid[u]) {
-        const std::int32_t slot = t % view.page_size;
-        const T* krow = view.k_data + view.k_offset(page, slot, kvh);
-        const T* vrow = view.v_data + view.v_offset(page, slot, kvh);
-#pragma unroll
-        for (int v = 0; v < NV; ++v) {
-          load_vec_float<T, VEC>(krow + (v * TG + lig) * VEC, &kf[u][v * VEC]);
-          load_vec_float<T, VEC>(vrow + (v * TG + lig) * VEC, &vf[u][v * VEC]);
+      const std::int32_t uu = base + u * GPW + lane / TG;
+      valid[u] = false;
+      tok[u] = 0;
+      if (uu < u_end) {
+        const TokenLoc loc = locate_token(view, pl, b, uu);
+        // The validation kernel rejected bad page ids; this guard only keeps any
+        // unchecked path from reading outside the pool.
+        valid[u] = loc.page >= 0 && loc.page < view.num_pages_total;
+        tok[u] = loc.t;
+        if (valid[u]) {
+          load_row<T, VEC, TG, NV>(view.k_data + view.k_offset(loc.page, loc.slot, kvh), kdim, lig,
+                                   kf[u]);
+          load_row<T, VEC, TG, NV>(view.v_data + view.v_offset(loc.page, loc.slot, kvh), vdim, lig,
+                                   vf[u]);
         }
-      } else {
+      }
+      if (!valid[u]) {
 #pragma unroll
         for (int e = 0; e < E; ++e) kf[u][e] = vf[u][e] = 0.f;
       }
@@ -164,13 +292,10 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
         for (int off = TG / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
         if (valid[u]) {
-          const float mn = fmaxf(m[g], s);
-          const float c = exp2f(m[g] - mn);  // 0 on the group's first token (m = -inf)
-          const float p = exp2f(s - mn);
-          l[g] = l[g] * c + p;
-#pragma unroll
-          for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, vf[u][e], acc[g][e] * c);
-          m[g] = mn;
+          if (a.scores != nullptr && lig == 0)
+            a.scores[(static_cast<std::int64_t>(b) * a.num_qo_heads + hq0 + g) * a.scores_stride +
+                     tok[u]] = s * kLn2;
+          online_update<E>(m[g], l[g], acc[g], s, vf[u]);
         }
       }
     }
@@ -205,137 +330,240 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
   }
   __syncthreads();
-  for (int idx = static_cast<int>(threadIdx.x); idx < GB * D; idx += kAttnThreads) {
-    const int g = idx / D;
-    const int d = idx - g * D;
+  for (int idx = static_cast<int>(threadIdx.x); idx < GB * vdim; idx += kAttnThreads) {
+    const int g = idx / vdim;
+    const int d = idx - g * vdim;
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kAttnWarps; ++w) mm = fmaxf(mm, sm.m[w][g]);
-    float ls = 0.f, a = 0.f;
+    float ls = 0.f, acc_d = 0.f;
     if (mm != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kAttnWarps; ++w) {
         const float c = exp2f(sm.m[w][g] - mm);
         ls += sm.l[w][g] * c;
-        a += sm.acc[w][g][d] * c;
+        acc_d += sm.acc[w][g][d] * c;
       }
     }
-    const std::int64_t row = static_cast<std::int64_t>(b) * num_qo_heads + hq0 + g;
-    if (num_splits == 1) {
-      out[row * D + d] = store_float<T>(ls > 0.f ? a / ls : 0.f);
-      if (lse != nullptr && d == 0) lse[row] = ls > 0.f ? (mm + log2f(ls)) * kLn2 : -INFINITY;
+    const std::int64_t row = static_cast<std::int64_t>(b) * a.num_qo_heads + hq0 + g;
+    if (a.num_splits == 1) {
+      a.out[row * a.out_width + out_column(a, kvh, vdim, d)] =
+          store_float<T>(ls > 0.f ? acc_d / ls : 0.f);
+      if (a.lse != nullptr && d == 0) a.lse[row] = ls > 0.f ? (mm + log2f(ls)) * kLn2 : -INFINITY;
     } else {
-      const std::int64_t prow = row * num_splits + split;
-      part_acc[prow * D + d] = a;
+      const std::int64_t prow = row * a.num_splits + split;
+      a.part_acc[prow * vdim + d] = acc_d;
       if (d == 0) {
-        part_m[prow] = mm;
-        part_l[prow] = ls;
+        a.part_m[prow] = mm;
+        a.part_l[prow] = ls;
       }
     }
   }
 }
 
-// Merges the S partial states of each (b, query head); one thread per output element.
+// Merges the S partial states of each (b, query head); one thread per V channel.
 template <class T>
-__global__ void decode_combine_kernel(const float* __restrict__ part_acc,  // [rows, S, D]
-                                      const float* __restrict__ part_m,    // [rows, S]
-                                      const float* __restrict__ part_l,    // [rows, S]
-                                      std::int64_t rows, std::int32_t num_splits, std::int32_t head_dim,
-                                      T* __restrict__ out,      // [rows, D]
-                                      float* __restrict__ lse) {  // [rows] or null
-  const std::int64_t total = rows * head_dim;
+__global__ void decode_combine_kernel(DecodeArgs<T> a, std::int64_t rows, std::int32_t vdim) {
+  if (failed(a.status)) return;
+  const std::int64_t total = rows * vdim;
+  const std::int32_t S = a.num_splits;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = i / head_dim;
-    const std::int32_t d = static_cast<std::int32_t>(i - row * head_dim);
-    const float* pm = part_m + row * num_splits;
-    const float* pl = part_l + row * num_splits;
+    const std::int64_t row = i / vdim;
+    const std::int32_t d = static_cast<std::int32_t>(i - row * vdim);
+    const std::int32_t kvh = static_cast<std::int32_t>(row % a.num_qo_heads) / a.group_size;
+    const float* pm = a.part_m + row * S;
+    const float* pl = a.part_l + row * S;
     float mm = -INFINITY;
-    for (int s = 0; s < num_splits; ++s) mm = fmaxf(mm, pm[s]);
-    float ls = 0.f, a = 0.f;
+    for (int s = 0; s < S; ++s) mm = fmaxf(mm, pm[s]);
+    float ls = 0.f, acc_d = 0.f;
     if (mm != -INFINITY) {
-      for (int s = 0; s < num_splits; ++s) {
+      for (int s = 0; s < S; ++s) {
         const float c = exp2f(pm[s] - mm);
         ls += pl[s] * c;
-        a += part_acc[(row * num_splits + s) * head_dim + d] * c;
+        acc_d += a.part_acc[(row * S + s) * vdim + d] * c;
       }
     }
-    out[i] = store_float<T>(ls > 0.f ? a / ls : 0.f);
-    if (lse != nullptr && d == 0) lse[row] = ls > 0.f ? (mm + log2f(ls)) * kLn2 : -INFINITY;
+    a.out[row * a.out_width + out_column(a, kvh, vdim, d)] =
+        store_float<T>(ls > 0.f ? acc_d / ls : 0.f);
+    if (a.lse != nullptr && d == 0) a.lse[row] = ls > 0.f ? (mm + log2f(ls)) * kLn2 : -INFINITY;
   }
 }
 
-/// The head dims with a compiled kernel; others are kUnsupported, naming the value.
-inline Status check_decode_head_dim(int hd) {
-  KVKIT_CHECK_STATUS(hd == 8 || hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256,
-                     StatusCode::kUnsupported, "unsupported head_dim ", hd,
-                     " (CUDA decode attention supports 8, 16, 32, 64, 128, 256)");
-  return Status::ok();
+// p[0..n) = value unless the status holds an error (the zeroed output columns of
+// v_channels; done before the attention kernels on the same stream).
+template <class U>
+__global__ void fill_kernel(U* __restrict__ p, std::int64_t n, U value, const DeviceStatus* st) {
+  if (failed(st)) return;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
 }
 
-// Split-K scratch carved from the workspace (all null when num_splits == 1).
-struct DecodeLaunch {
-  float* part_acc = nullptr;  // [batch, Hq, num_splits, D]
-  float* part_m = nullptr;    // [batch, Hq, num_splits]
-  float* part_l = nullptr;    // [batch, Hq, num_splits]
-  int num_splits = 1;
-};
+// scores[b, hq, t] = -inf for t < seq_len(b): the tokens a page subset skips keep it.
+template <class T>
+__global__ void fill_scores_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
+  if (failed(a.status)) return;
+  const std::int64_t per_seq = static_cast<std::int64_t>(a.num_qo_heads) * a.scores_stride;
+  const std::int64_t total = per_seq * view.batch_size;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < total; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int32_t b = static_cast<std::int32_t>(i / per_seq);
+    const std::int64_t t = i % a.scores_stride;
+    if (t < view.seq_len(b)) a.scores[i] = -INFINITY;
+  }
+}
+
+// Decode's device checks (as the CPU twin): channel maps in [0, q_dim); for every
+// sequence (block x takes x, x + gridDim.x, ...) its page table, seq_len <= scores_stride
+// and each kv head's page subset (indptr monotone, entries strictly ascending below the
+// sequence's page count).
+template <class T>
+__global__ void validate_decode_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
+  DeviceStatus* st = a.status;
+  if (failed(st)) return;
+  const std::int64_t tid = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int32_t hkv = view.num_kv_heads;
+  if (a.k_channels != nullptr) {
+    for (std::int64_t i = tid; i < static_cast<std::int64_t>(hkv) * view.head_dim; i += step) {
+      const std::int32_t c = a.k_channels[i];
+      if (c < 0 || c >= a.q_dim)
+        report(st, StatusCode::kOutOfRange, DeviceCheck::kKChannel, c, i % view.head_dim, -1, a.q_dim,
+               i / view.head_dim);
+    }
+  }
+  if (a.v_channels != nullptr) {
+    for (std::int64_t i = tid; i < static_cast<std::int64_t>(hkv) * view.v_head_dim; i += step) {
+      const std::int32_t c = a.v_channels[i];
+      if (c < 0 || c >= a.q_dim)
+        report(st, StatusCode::kOutOfRange, DeviceCheck::kVChannel, c, i % view.v_head_dim, -1,
+               a.q_dim, i / view.v_head_dim);
+    }
+  }
+  for (std::int64_t bb = blockIdx.x; bb < view.batch_size; bb += gridDim.x) {
+    const std::int32_t b = static_cast<std::int32_t>(bb);
+    const std::int32_t np =
+        check_sequence_pages_dev(view, b, st, threadIdx.x == 0, threadIdx.x, blockDim.x);
+    if (np < 0) continue;
+    const std::int32_t len = view.seq_len(b);
+    if (a.scores != nullptr && len > a.scores_stride && threadIdx.x == 0)
+      report(st, StatusCode::kInvalidArgument, DeviceCheck::kScoresStride, len, -1, b,
+             a.scores_stride);
+    if (a.subset_indptr == nullptr) continue;
+    for (std::int32_t h = static_cast<std::int32_t>(threadIdx.x); h < hkv;
+         h += static_cast<std::int32_t>(blockDim.x)) {
+      const std::int64_t r = static_cast<std::int64_t>(b) * hkv + h;
+      const std::int32_t lo = a.subset_indptr[r], hi = a.subset_indptr[r + 1];
+      if (lo < 0 || hi < lo) {
+        report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetIndptr, lo, -1, b, hi, h);
+        continue;
+      }
+      std::int32_t prev = -1;
+      for (std::int32_t i = 0; i < hi - lo; ++i) {
+        const std::int32_t e = a.subset[lo + i];
+        if (e <= prev || e >= np) {
+          report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetEntry, e, i, b, np, h);
+          break;
+        }
+        prev = e;
+      }
+    }
+  }
+}
+
+/// The row tile sizes with a compiled kernel: K and V rows up to 256 elements.
+inline constexpr int kMaxDecodeDim = 256;
+
+inline Status check_decode_dims(int kdim, int vdim) {
+  KVKIT_CHECK_STATUS(kdim <= kMaxDecodeDim && vdim <= kMaxDecodeDim, StatusCode::kUnsupported,
+                     "unsupported head_dim ", kdim, " / v_head_dim ", vdim,
+                     " (CUDA decode attention supports rows of up to ", kMaxDecodeDim,
+                     " elements)");
+  return Status::ok();
+}
 
 // Picks the query-head batch GB (largest of 4/2/1 dividing the group) and launches. More
 // than 4 query heads per block costs more registers (lower occupancy) than the extra K/V
 // reads it saves; those mostly hit L2 anyway.
-template <class T, int D, int VEC>
-Status launch_decode(exec::Cuda ex, const PagedKVView<T>& view,
-                     const T* q,    // [batch, Hq, D] device
-                     T* out,        // [batch, Hq, D] device
-                     float* lse,    // [batch, Hq] device or null
-                     const DecodeAttentionParams& p, const DecodeLaunch& dl) {
-  const std::int32_t group = p.num_qo_heads / view.num_kv_heads;
+template <class T, int DT, int VEC>
+Status launch_decode(exec::Cuda ex, const PagedKVView<T>& view, const DecodeArgs<T>& a) {
   auto go = [&](auto gb) {
     constexpr int kGB = decltype(gb)::value;
     const dim3 grid(static_cast<unsigned>(view.batch_size),
-                    static_cast<unsigned>(p.num_qo_heads / kGB), static_cast<unsigned>(dl.num_splits));
-    KVKIT_CHECK_STATUS(grid.y <= 65535u, StatusCode::kUnsupported, "num_qo_heads ", p.num_qo_heads,
+                    static_cast<unsigned>(a.num_qo_heads / kGB), static_cast<unsigned>(a.num_splits));
+    KVKIT_CHECK_STATUS(grid.y <= 65535u, StatusCode::kUnsupported, "num_qo_heads ", a.num_qo_heads,
                        " needs ", grid.y, " blocks in grid y (max 65535)");
-    decode_attention_kernel<T, D, VEC, kGB><<<grid, kAttnThreads, 0, stream_of(ex)>>>(
-        view, q, out, lse, dl.part_acc, dl.part_m, dl.part_l, p.num_qo_heads, group,
-        p.sm_scale * kLog2e, dl.num_splits);
+    decode_attention_kernel<T, DT, VEC, kGB><<<grid, kAttnThreads, 0, stream_of(ex)>>>(view, a);
     return launch_status("paged_decode_attention");
   };
-  // The unaligned fallback (VEC == 1) is rare; keep it to one instantiation per D.
+  // The unaligned fallback (VEC == 1) is rare; keep it to one instantiation per DT.
   if constexpr (VEC > 1) {
-    if (group % 4 == 0) return go(std::integral_constant<int, 4>{});
-    if (group % 2 == 0) return go(std::integral_constant<int, 2>{});
+    if (a.group_size % 4 == 0) return go(std::integral_constant<int, 4>{});
+    if (a.group_size % 2 == 0) return go(std::integral_constant<int, 2>{});
   }
   return go(std::integral_constant<int, 1>{});
 }
 
-template <class T, int D>
-Status dispatch_decode_vec(exec::Cuda ex, const PagedKVView<T>& view,
-                           const T* q,    // [batch, Hq, D] device
-                           T* out,        // [batch, Hq, D] device
-                           float* lse,    // [batch, Hq] device or null
-                           const DecodeAttentionParams& p, const DecodeLaunch& dl) {
+template <class T, int DT>
+Status dispatch_decode_vec(exec::Cuda ex, const PagedKVView<T>& view, const DecodeArgs<T>& a) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  if (view_vector_bytes(view, {q, out}) == 16)
-    return launch_decode<T, D, kVec>(ex, view, q, out, lse, p, dl);
-  return launch_decode<T, D, 1>(ex, view, q, out, lse, p, dl);
+  // 16-byte loads need every K/V row and base aligned, and q too when it is read
+  // directly (through k_channels it is read element by element).
+  const int vbytes = a.k_channels ? view_vector_bytes(view)
+                                  : view_vector_bytes(view, {a.q}, {a.q_width});
+  if (vbytes == 16) return launch_decode<T, DT, kVec>(ex, view, a);
+  return launch_decode<T, DT, 1>(ex, view, a);
 }
 
 template <class T>
-Status dispatch_decode_head_dim(exec::Cuda ex, const PagedKVView<T>& view,
-                                const T* q,    // [batch, Hq, D] device
-                                T* out,        // [batch, Hq, D] device
-                                float* lse,    // [batch, Hq] device or null
-                                const DecodeAttentionParams& p, const DecodeLaunch& dl) {
-  switch (view.head_dim) {
-    case 8: return dispatch_decode_vec<T, 8>(ex, view, q, out, lse, p, dl);
-    case 16: return dispatch_decode_vec<T, 16>(ex, view, q, out, lse, p, dl);
-    case 32: return dispatch_decode_vec<T, 32>(ex, view, q, out, lse, p, dl);
-    case 64: return dispatch_decode_vec<T, 64>(ex, view, q, out, lse, p, dl);
-    case 128: return dispatch_decode_vec<T, 128>(ex, view, q, out, lse, p, dl);
-    case 256: return dispatch_decode_vec<T, 256>(ex, view, q, out, lse, p, dl);
-    default: return check_decode_head_dim(view.head_dim);
+Status dispatch_decode_dim(exec::Cuda ex, const PagedKVView<T>& view, const DecodeArgs<T>& a) {
+  const int dim = view.head_dim > view.v_head_dim ? view.head_dim : view.v_head_dim;
+  if (dim <= 8) return dispatch_decode_vec<T, 8>(ex, view, a);
+  if (dim <= 16) return dispatch_decode_vec<T, 16>(ex, view, a);
+  if (dim <= 32) return dispatch_decode_vec<T, 32>(ex, view, a);
+  if (dim <= 64) return dispatch_decode_vec<T, 64>(ex, view, a);
+  if (dim <= 128) return dispatch_decode_vec<T, 128>(ex, view, a);
+  if (dim <= 256) return dispatch_decode_vec<T, 256>(ex, view, a);
+  return check_decode_dims(view.head_dim, view.v_head_dim);
+}
+
+// Merge of two attention states, one thread per element: out = (e^la a + e^lb b) /
+// (e^la + e^lb) with the max subtracted; reads and writes the same index, so out may
+// alias out_a or out_b.
+template <class T>
+__global__ void merge_states_out_kernel(const T* out_a,      // [rows, dim]
+                                        const float* lse_a,  // [rows]
+                                        const T* out_b,      // [rows, dim]
+                                        const float* lse_b,  // [rows]
+                                        T* out,              // [rows, dim], may alias a or b
+                                        std::int64_t rows, std::int32_t dim) {
+  const std::int64_t total = rows * dim;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / dim;
+    const float la = lse_a[row], lb = lse_b[row];
+    const float mx = fmaxf(la, lb);
+    float r = 0.f;
+    if (mx != -INFINITY) {
+      const float wa = expf(la - mx), wb = expf(lb - mx);  // exp(-inf) = 0: that side drops out
+      r = (wa * load_float(out_a[i]) + wb * load_float(out_b[i])) / (wa + wb);
+    }
+    out[i] = store_float<T>(r);
+  }
+}
+
+// The merged lse, one thread per row (after the out kernel: lse may alias lse_a / lse_b).
+template <class Unused = void>
+__global__ void merge_states_lse_kernel_t(const float* lse_a,  // [rows]
+                                          const float* lse_b,  // [rows]
+                                          float* lse,          // [rows], may alias either
+                                          std::int64_t rows) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < rows;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float la = lse_a[i], lb = lse_b[i];
+    const float mx = fmaxf(la, lb);
+    lse[i] = mx == -INFINITY ? -INFINITY : mx + logf(expf(la - mx) + expf(lb - mx));
   }
 }
 
@@ -343,65 +571,151 @@ Status dispatch_decode_head_dim(exec::Cuda ex, const PagedKVView<T>& view,
 
 /// Bytes of scratch paged_decode_attention needs on CUDA: the split-K partial states
 /// (0 when the shapes give one split per sequence). Depends on batch size, heads and
-/// head_dim only, never on the (device-resident) sequence lengths.
+/// v_head_dim only, never on the (device-resident) sequence lengths or variants.
 template <class T>
 std::size_t paged_decode_attention_workspace_size(exec::Cuda, const PagedKVView<T>& view,
                                                   const DecodeAttentionParams& p) {
   const int splits = cuda_detail::decode_num_splits(view.batch_size, view.num_kv_heads);
-  if (splits <= 1 || view.batch_size <= 0 || p.num_qo_heads <= 0 || view.head_dim <= 0) return 0;
+  if (splits <= 1 || view.batch_size <= 0 || p.num_qo_heads <= 0 || view.v_head_dim <= 0) return 0;
   const std::size_t rows = static_cast<std::size_t>(view.batch_size) *
                            static_cast<std::size_t>(p.num_qo_heads) * static_cast<std::size_t>(splits);
   return WorkspaceSizer()
-      .add<float>(rows * static_cast<std::size_t>(view.head_dim))
+      .add<float>(rows * static_cast<std::size_t>(view.v_head_dim))
       .add<float>(rows)
       .add<float>(rows)
       .bytes();
 }
 
 /// Decode attention on `ex.stream`: out[b, hq] = softmax_t(sm_scale * q[b, hq] . K[b, t, kvh])
-/// . V[b, t, kvh] over the view.seq_len(b) cached tokens of sequence b, kvh = hq / (Hq / Hkv).
-/// Optional lse[b, hq] = natural log of the softmax denominator. An empty sequence gives
-/// out = 0 and lse = -inf. head_dim must be 8, 16, 32, 64, 128 or 256 (kUnsupported
-/// otherwise). `ws` must hold paged_decode_attention_workspace_size() bytes. Tokens on
-/// page ids outside the pool (a corrupt device table) are skipped, never read.
+/// . V[b, t, kvh] over the tokens (b, kvh) reads, kvh = hq / (Hq / Hkv), with the variants
+/// of DecodeAttentionParams (page subset, channel-restricted K/V, scores out; they
+/// combine freely). Optional lse[b, hq] = natural log of the softmax denominator. A
+/// (b, kvh) that reads no token gives out = 0 and lse = -inf. K and V rows of up to 256
+/// elements (kUnsupported otherwise). `ws` must hold
+/// paged_decode_attention_workspace_size() bytes.
+///
+/// Contract (same as the CPU twin): scalars on the host (kInvalidArgument for bad
+/// num_qo_heads / sm_scale, null q / out, page_subset without page_subset_indptr or the
+/// reverse, k_channels / v_channels with q_dim <= 0, scores with scores_stride < 0, a
+/// small workspace, a null ex.status). On the device, recorded in *ex.status: every
+/// sequence's page table (as gather_tokens), page subsets (kOutOfRange: indptr not
+/// monotone, an entry not strictly ascending in [0, num_pages(b))), channel ids outside
+/// [0, q_dim) (kOutOfRange), seq_len(b) > scores_stride (kInvalidArgument). On any error
+/// nothing is written (out, lse, scores).
 template <class T>
 Status paged_decode_attention(exec::Cuda ex, PagedKVView<T> view,
-                              const T* q,   // [batch, Hq, D] device
-                              T* out,       // [batch, Hq, D] device
+                              const T* q,  // [batch, Hq, q_width] device
+                              T* out,      // [batch, Hq, out_width] device
                               const DecodeAttentionParams& p, Workspace ws,
                               float* lse = nullptr) {  // [batch, Hq] device, optional
   constexpr const char* kOp = "paged_decode_attention";
   KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_RETURN_IF_ERROR(detail::check_decode_params(view, p));
-  const int hd = view.head_dim;
-  KVKIT_RETURN_IF_ERROR(cuda_detail::check_decode_head_dim(hd));
+  KVKIT_RETURN_IF_ERROR(cuda_detail::check_decode_dims(view.head_dim, view.v_head_dim));
+  KVKIT_CHECK_STATUS((p.page_subset_indptr == nullptr) == (p.page_subset == nullptr),
+                     StatusCode::kInvalidArgument,
+                     "page_subset and page_subset_indptr must be given together");
+  const bool channels = p.k_channels != nullptr || p.v_channels != nullptr;
+  KVKIT_CHECK_STATUS(!channels || p.q_dim > 0, StatusCode::kInvalidArgument, "q_dim ", p.q_dim,
+                     " must be > 0 with k_channels / v_channels");
+  KVKIT_CHECK_STATUS(p.scores == nullptr || p.scores_stride >= 0, StatusCode::kInvalidArgument,
+                     "scores_stride ", p.scores_stride, " must be >= 0");
   if (view.batch_size == 0) return Status::ok();
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_arg_ptr(q, "q", kOp));
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_arg_ptr(out, "out", kOp));
+  KVKIT_RETURN_IF_ERROR(cuda_detail::check_table_ptrs(view));
 
-  cuda_detail::DecodeLaunch dl;
-  dl.num_splits = cuda_detail::decode_num_splits(view.batch_size, view.num_kv_heads);
-  if (dl.num_splits > 1) {
+  cuda_detail::DecodeArgs<T> a;
+  a.q = q;
+  a.out = out;
+  a.lse = lse;
+  a.subset_indptr = p.page_subset_indptr;
+  a.subset = p.page_subset;
+  a.k_channels = p.k_channels;
+  a.v_channels = p.v_channels;
+  a.scores = p.scores;
+  a.scores_stride = p.scores_stride;
+  a.num_qo_heads = p.num_qo_heads;
+  a.group_size = p.num_qo_heads / view.num_kv_heads;
+  a.q_dim = p.q_dim;
+  a.q_width = p.k_channels ? p.q_dim : view.head_dim;
+  a.out_width = p.v_channels ? p.q_dim : view.v_head_dim;
+  a.q_scale = p.sm_scale * cuda_detail::kLog2e;
+  a.num_splits = cuda_detail::decode_num_splits(view.batch_size, view.num_kv_heads);
+  a.status = ex.status;
+  const std::int64_t rows = static_cast<std::int64_t>(view.batch_size) * p.num_qo_heads;
+  if (a.num_splits > 1) {
     const std::size_t need = paged_decode_attention_workspace_size(ex, view, p);
     KVKIT_CHECK_STATUS(ws.data != nullptr && ws.bytes >= need, StatusCode::kInvalidArgument,
                        "paged_decode_attention workspace has ", ws.bytes, " bytes, needs ", need);
-    const std::size_t rows = static_cast<std::size_t>(view.batch_size) *
-                             static_cast<std::size_t>(p.num_qo_heads) *
-                             static_cast<std::size_t>(dl.num_splits);
+    const std::size_t prows = static_cast<std::size_t>(rows) * static_cast<std::size_t>(a.num_splits);
     WorkspaceCarver carver(ws);
-    dl.part_acc = carver.take<float>(rows * static_cast<std::size_t>(hd));
-    dl.part_m = carver.take<float>(rows);
-    dl.part_l = carver.take<float>(rows);
-    KVKIT_CHECK_STATUS(dl.part_acc && dl.part_m && dl.part_l, StatusCode::kInvalidArgument,
+    a.part_acc = carver.take<float>(prows * static_cast<std::size_t>(view.v_head_dim));
+    a.part_m = carver.take<float>(prows);
+    a.part_l = carver.take<float>(prows);
+    KVKIT_CHECK_STATUS(a.part_acc && a.part_m && a.part_l, StatusCode::kInvalidArgument,
                        "paged_decode_attention workspace of ", ws.bytes, " bytes is too small");
   }
+  KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, kOp));
 
-  KVKIT_RETURN_IF_ERROR(cuda_detail::dispatch_decode_head_dim(ex, view, q, out, lse, p, dl));
-  if (dl.num_splits > 1) {
-    const std::int64_t rows = static_cast<std::int64_t>(view.batch_size) * p.num_qo_heads;
+  cudaStream_t stream = cuda_detail::stream_of(ex);
+  const unsigned vgrid = static_cast<unsigned>(
+      view.batch_size < cuda_detail::kMaxCopyBlocks ? view.batch_size : cuda_detail::kMaxCopyBlocks);
+  cuda_detail::validate_decode_kernel<T><<<vgrid, cuda_detail::kCopyThreads, 0, stream>>>(view, a);
+  KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+  if (p.v_channels != nullptr) {  // channels V does not cover are 0
+    const std::int64_t n = rows * a.out_width;
+    cuda_detail::fill_kernel<T><<<cuda_detail::grid_for(n), cuda_detail::kCopyThreads, 0, stream>>>(
+        out, n, from_float<T>(0.f), ex.status);
+    KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+  }
+  if (p.scores != nullptr && p.page_subset_indptr != nullptr && p.scores_stride > 0) {
+    cuda_detail::fill_scores_kernel<T>
+        <<<cuda_detail::grid_for(rows * p.scores_stride), cuda_detail::kCopyThreads, 0, stream>>>(
+            view, a);
+    KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+  }
+  KVKIT_RETURN_IF_ERROR(cuda_detail::dispatch_decode_dim(ex, view, a));
+  if (a.num_splits > 1) {
     cuda_detail::decode_combine_kernel<T>
-        <<<cuda_detail::grid_for(rows * hd), cuda_detail::kCopyThreads, 0, cuda_detail::stream_of(ex)>>>(
-            dl.part_acc, dl.part_m, dl.part_l, rows, dl.num_splits, hd, out, lse);
+        <<<cuda_detail::grid_for(rows * view.v_head_dim), cuda_detail::kCopyThreads, 0, stream>>>(
+            a, rows, view.v_head_dim);
+    return cuda_detail::launch_status(kOp);
+  }
+  return Status::ok();
+}
+
+/// Merges two attention states over the same rows on `ex.stream` (e.g. a packed old part
+/// and a full-width recent window): out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a +
+/// e^lse_b), computed with the larger lse subtracted; lse = log(e^lse_a + e^lse_b). A
+/// side with lse -inf (nothing read) drops out; both -inf give out = 0, lse = -inf.
+/// out may alias out_a or out_b and lse may alias lse_a or lse_b. Reads no index, so it
+/// needs no DeviceStatus; kInvalidArgument for rows < 0, dim <= 0 or null inputs.
+template <class T>
+Status merge_attention_states(exec::Cuda ex,
+                              const T* out_a,      // [rows, dim] device
+                              const float* lse_a,  // [rows] device
+                              const T* out_b,      // [rows, dim] device
+                              const float* lse_b,  // [rows] device
+                              T* out,              // [rows, dim] device
+                              float* lse,          // [rows] device, or nullptr
+                              std::int64_t rows, std::int32_t dim) {
+  constexpr const char* kOp = "merge_attention_states";
+  KVKIT_CHECK_STATUS(rows >= 0, StatusCode::kInvalidArgument, "rows must be >= 0, got ", rows);
+  KVKIT_CHECK_STATUS(dim > 0, StatusCode::kInvalidArgument, "dim must be > 0, got ", dim);
+  if (rows == 0) return Status::ok();
+  KVKIT_CHECK_STATUS(out_a != nullptr && lse_a != nullptr && out_b != nullptr &&
+                         lse_b != nullptr && out != nullptr,
+                     StatusCode::kInvalidArgument, kOp, " got a null input or output");
+  cudaStream_t stream = cuda_detail::stream_of(ex);
+  cuda_detail::merge_states_out_kernel<T>
+      <<<cuda_detail::grid_for(rows * dim), cuda_detail::kCopyThreads, 0, stream>>>(
+          out_a, lse_a, out_b, lse_b, out, rows, dim);
+  KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+  if (lse != nullptr) {
+    cuda_detail::merge_states_lse_kernel_t<>
+        <<<cuda_detail::grid_for(rows), cuda_detail::kCopyThreads, 0, stream>>>(lse_a, lse_b, lse,
+                                                                                 rows);
     return cuda_detail::launch_status(kOp);
   }
   return Status::ok();
