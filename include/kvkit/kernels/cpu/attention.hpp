@@ -1,14 +1,24 @@
 #pragma once
-// paged_decode_attention on the CPU: one query token per sequence against its paged K/V.
+// paged_decode_attention on the CPU: one query token per sequence against its paged K/V,
+// and merge_attention_states, the log-sum-exp merge of two partial attentions.
 //
-// Work is split over (sequence, kv head), or (sequence, group of kv heads) when the heads
-// of a token are adjacent in memory (NHD), so that each token's row is read in one pass.
-// Each head converts its G = Hq/Hkv query heads to float once (pre-scaled by sm_scale),
-// then streams the sequence in tiles of up to kDecodeTile tokens, with software prefetch
-// of rows a few KiB ahead (rows of shuffled pages defeat the hardware prefetchers):
-// scores for the whole tile and all G heads while each K row is hot,
-// one softmax rescale per tile (online softmax, so no per-token scratch grows with the
-// sequence), then the V rows are accumulated for all G heads. Accumulation is in float.
+// The kernel is built from three pieces that every variant shares:
+//   - a page list per (sequence, kv head): all of the sequence's pages, or a page subset,
+//     cut into chunks (work items) at page boundaries; TileCursor walks a list and hands
+//     out tiles of up to kDecodeTile token rows (K and V addresses, token indices);
+//   - the tile update (decode_tile): scores of the GQA group's queries against the tile's
+//     K rows, several tokens per step with the queries' vectors shared, an online-softmax
+//     rescale per tile with a vectorised exp, then the probability-weighted V rows;
+//   - the state merge (merge_states / merge_attention_states): (acc, max, sum) states of
+//     two chunks, or (out, lse) pairs of two calls, combine in log-sum-exp form.
+// Scores out, page subsets and channel-restricted K/V only change the inputs of these
+// pieces (which page list, which query channels, where the output goes).
+//
+// Threads: items are (sequence, kv head, chunk). Long sequences are cut into several
+// chunks only when the batch has few (sequence, kv head) pairs; the cut depends on the
+// shape alone (batch, heads, page counts), never on the thread count, and chunk states
+// are merged in a fixed order, so outputs are bitwise identical for any thread count.
+// Vector code comes from kernels/cpu/simd.hpp, chosen by the consumer's compiler flags.
 
 #include <algorithm>
 #include <cmath>
@@ -25,153 +35,528 @@
 #include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
+#include "kvkit/kernels/cpu/simd.hpp"
 #include "kvkit/kernels/params.hpp"
 
 namespace kvkit {
 namespace detail {
 namespace cpu {
+inline namespace KVKIT_SIMD_NS {
 
-/// Tokens scored per softmax rescale.
-inline constexpr std::int32_t kDecodeTile = 64;
+/// Tokens scored per softmax rescale (a multiple of every Vec width).
+inline constexpr std::int32_t kDecodeTile = 32;
+/// Batches with fewer (sequence, kv head) pairs than this cut sequences into chunks.
+inline constexpr std::int32_t kSplitTargetItems = 16;
+/// At most this many chunks per (sequence, kv head).
+inline constexpr std::int32_t kMaxSplits = 16;
+/// Chunks hold at least this many tokens (so the merge stays negligible).
+inline constexpr std::int32_t kMinSplitTokens = 512;
 
-/// Dot product with 8 independent partial sums so the compiler vectorizes it without
-/// -ffast-math (the summation order is fixed, hence deterministic).
-inline float dot_f32(const float* __restrict a,  // [n]
-                     const float* __restrict b,  // [n]
-                     std::int32_t n) {
-  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  std::int32_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) s[j] += a[d + j] * b[d + j];
-  float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; d < n; ++d) r += a[d] * b[d];
-  return r;
-}
-
-/// y += a * x over n floats.
-inline void axpy_f32(float* __restrict y,  // [n]
-                     float a,
-                     const float* __restrict x,  // [n]
-                     std::int32_t n) {
-  for (std::int32_t d = 0; d < n; ++d) y[d] += a * x[d];
-}
-
-#if defined(__GNUC__) || defined(__clang__)
-// GCC/Clang vector extension: 4 floats, lowered to SSE2 on x86-64 and NEON on Arm.
-typedef float F32x4 __attribute__((vector_size(16)));
-inline F32x4 load_f32x4(const float* p) {  // [4], any alignment
-  F32x4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store_f32x4(float* p, F32x4 v) { std::memcpy(p, &v, sizeof v); }  // [4]
-#endif
-
-/// out[g] = dot_f32(q + g * q_stride, k, n) for g < 4, bitwise: the same 8 partial sums
-/// per query, but each K chunk is loaded once for four queries, and the 8 independent
-/// accumulator chains hide the add latency that bounds a single dot product.
-inline void dot4_f32(const float* __restrict q,  // [4, q_stride]
-                     std::size_t q_stride,
-                     const float* __restrict k,  // [n]
-                     std::int32_t n,
-                     float* __restrict out) {  // [4]
-#if defined(__GNUC__) || defined(__clang__)
-  F32x4 lo[4] = {}, hi[4] = {};  // lanes 0-3 and 4-7 of dot_f32's partial sums
-  std::int32_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const F32x4 k0 = load_f32x4(k + d), k1 = load_f32x4(k + d + 4);
-    for (int g = 0; g < 4; ++g) {
-      lo[g] += load_f32x4(q + g * q_stride + d) * k0;
-      hi[g] += load_f32x4(q + g * q_stride + d + 4) * k1;
-    }
-  }
-  for (int g = 0; g < 4; ++g) {
-    float r = ((lo[g][0] + lo[g][1]) + (lo[g][2] + lo[g][3])) +
-              ((hi[g][0] + hi[g][1]) + (hi[g][2] + hi[g][3]));
-    for (std::int32_t e = d; e < n; ++e) r += q[g * q_stride + e] * k[e];
-    out[g] = r;
-  }
+/// Tokens per step of the score and V loops (GQA queries x tokens accumulators in registers).
+#if defined(KVKIT_SIMD_AVX512)
+inline constexpr int kTokensPerStep = 4;
 #else
-  for (int g = 0; g < 4; ++g) out[g] = dot_f32(q + g * q_stride, k, n);
+inline constexpr int kTokensPerStep = 2;
 #endif
+
+/// Shape-derived sizes of one decode call.
+struct DecodeShape {
+  std::int32_t hkv = 0, hq = 0, group = 0;
+  std::int32_t kdim = 0, vdim = 0;         // K and V row widths in the pool
+  std::int32_t q_width = 0, out_width = 0;  // row widths of q and out
+  std::int32_t splits = 1;                  // chunks per (sequence, kv head), at most
+  std::size_t item_floats = 0;              // workspace floats per (b, h, chunk) item
+};
+
+template <class T>
+DecodeShape decode_shape(const PagedKVView<T>& view, const DecodeAttentionParams& p) {
+  DecodeShape s;
+  s.hkv = view.num_kv_heads;
+  s.hq = p.num_qo_heads;
+  s.group = std::max(1, s.hq / std::max(1, s.hkv));
+  s.kdim = view.head_dim;
+  s.vdim = view.v_head_dim;
+  s.q_width = p.k_channels != nullptr ? p.q_dim : s.kdim;
+  s.out_width = p.v_channels != nullptr ? p.q_dim : s.vdim;
+  const std::int64_t pairs = static_cast<std::int64_t>(std::max(0, view.batch_size)) * s.hkv;
+  s.splits = pairs >= kSplitTargetItems || pairs == 0
+                 ? 1
+                 : static_cast<std::int32_t>(
+                       std::min<std::int64_t>(kMaxSplits, (kSplitTargetItems + pairs - 1) / pairs));
+  const std::size_t g = static_cast<std::size_t>(s.group);
+  // q (scaled, gathered), acc, max, sum, tile scores; rounded to 64 bytes per item.
+  const std::size_t f = g * static_cast<std::size_t>(s.kdim) + g * static_cast<std::size_t>(s.vdim) +
+                        2 * g + g * kDecodeTile;
+  s.item_floats = (f + 15) / 16 * 16;
+  return s;
 }
 
-/// y[g] += a[g] * x for g < 4 (rows y + g * y_stride), each element exactly as axpy_f32
-/// computes it, with x loaded once for the four rows.
-inline void axpy4_f32(float* __restrict y,  // [4, y_stride]
-                      std::size_t y_stride,
-                      const float* __restrict a,  // [4]
-                      const float* __restrict x,  // [n]
-                      std::int32_t n) {
-  std::int32_t d = 0;
-#if defined(__GNUC__) || defined(__clang__)
-  for (; d + 4 <= n; d += 4) {
-    const F32x4 xv = load_f32x4(x + d);
-    for (int g = 0; g < 4; ++g) {
-      float* yg = y + g * y_stride + d;
-      store_f32x4(yg, load_f32x4(yg) + a[g] * xv);
+/// Logical page indices a (sequence, kv head) reads: [begin, end) of `subset`, or of the
+/// identity when subset is null.
+struct PageList {
+  const std::int32_t* subset = nullptr;  // [end] or nullptr
+  std::int32_t begin = 0, end = 0;
+  std::int32_t logical(std::int32_t i) const { return subset != nullptr ? subset[i] : i; }
+  std::int32_t size() const { return end - begin; }
+};
+
+/// Page list of (sequence b, kv head h) under params p.
+template <class T>
+PageList page_list(const PagedKVView<T>& view, const DecodeAttentionParams& p, std::int32_t b,
+                   std::int32_t h) {
+  if (p.page_subset_indptr == nullptr) return {nullptr, 0, view.num_pages(b)};
+  const std::int64_t i = static_cast<std::int64_t>(b) * view.num_kv_heads + h;
+  return {p.page_subset, p.page_subset_indptr[i], p.page_subset_indptr[i + 1]};
+}
+
+/// Chunks the list is cut into (shape-only: list length, page size, shape.splits).
+inline std::int32_t list_chunks(const PageList& list, std::int32_t page_size, std::int32_t splits) {
+  if (splits <= 1 || list.size() <= 1) return 1;
+  const std::int32_t min_pages = std::max(1, (kMinSplitTokens + page_size - 1) / page_size);
+  return std::max(1, std::min(splits, list.size() / min_pages));
+}
+
+/// Up to kDecodeTile rows of one (sequence, head): K and V addresses and token indices.
+template <class T>
+struct Tile {
+  std::int32_t n = 0;
+  const T* k[kDecodeTile];
+  const T* v[kDecodeTile];
+  std::int32_t tok[kDecodeTile];
+};
+
+/// Walks the pages [begin, end) of a page list of sequence b, head h, tile by tile.
+template <class T>
+class TileCursor {
+ public:
+  TileCursor(const PagedKVView<T>& view, std::int32_t b, std::int32_t h, const PageList& list,
+             std::int32_t begin, std::int32_t end)
+      : view_(view), b_(b), h_(h), list_(list), i_(begin), end_(end) {
+    len_ = view.seq_len(b);
+    last_ = view.num_pages(b) - 1;
+    if (i_ < end_) open_page();
+  }
+  /// Fills `t` with the next rows (t.n == 0 at the end of the list).
+  void next(Tile<T>& t) {
+    t.n = 0;
+    while (t.n < kDecodeTile && i_ < end_) {
+      const std::int32_t take = std::min(kDecodeTile - t.n, page_tokens_ - slot_);
+      for (std::int32_t j = 0; j < take; ++j, ++slot_, ++t.n) {
+        t.k[t.n] = kbase_ + slot_ * view_.k_stride_token;
+        t.v[t.n] = vbase_ + slot_ * view_.v_stride_token;
+        t.tok[t.n] = first_tok_ + slot_;
+      }
+      if (slot_ == page_tokens_ && ++i_ < end_) open_page();
     }
   }
-#endif
-  for (; d < n; ++d)
-    for (int g = 0; g < 4; ++g) y[g * y_stride + d] += a[g] * x[d];
+
+ private:
+  void open_page() {
+    const std::int32_t lp = list_.logical(i_);
+    const std::int32_t page = view_.page_id(b_, lp);
+    first_tok_ = lp * view_.page_size;
+    page_tokens_ = lp == last_ ? len_ - first_tok_ : view_.page_size;
+    slot_ = 0;
+    kbase_ = view_.k_data + view_.k_offset(page, 0, h_);
+    vbase_ = view_.v_data + view_.v_offset(page, 0, h_);
+  }
+  const PagedKVView<T>& view_;
+  std::int32_t b_, h_;
+  PageList list_;
+  std::int32_t i_, end_, len_ = 0, last_ = 0;
+  std::int32_t first_tok_ = 0, page_tokens_ = 0, slot_ = 0;
+  const T* kbase_ = nullptr;
+  const T* vbase_ = nullptr;
+};
+
+/// Prefetches n rows of `bytes` bytes each.
+template <class T>
+inline void prefetch_row(const T* row, std::size_t bytes) {
+  detail::prefetch_bytes(row, bytes);
 }
 
-/// Returns a float view of a row: the row itself for float, else `buf` filled by conversion.
-template <class T>
-inline const float* row_as_float(const T* __restrict row,  // [n]
-                                 float* __restrict buf,    // [n] scratch, unused for float
-                                 std::int32_t n) {
-  if constexpr (std::is_same<T, float>::value) {
-    (void)buf;
-    (void)n;
-    return row;
-  } else {
-    for (std::int32_t d = 0; d < n; ++d) buf[d] = to_float(row[d]);
-    return buf;
+/// sc[g * kDecodeTile + j0 + t] = q_g · k_t for NG queries (rows of q, stride kdim) and
+/// NT tokens: the queries' vectors are loaded once per chunk of dims for all NT tokens.
+template <int NG, int NT, class T>
+inline void score_block(const float* q,  // [NG, kdim]
+                        const T* const* rows,  // [NT] K rows of kdim elements
+                        std::int32_t kdim, float* sc,  // [NG, kDecodeTile]
+                        std::int32_t j0) {
+  constexpr int W = Vec::kLanes;
+  Vec acc[NG][NT];
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < NT; ++t) acc[g][t] = Vec::zero();
+  std::int32_t d = 0;
+  for (; d + W <= kdim; d += W) {
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = Vec::load(rows[t] + d);
+    for (int g = 0; g < NG; ++g) {
+      const Vec qv = Vec::load(q + static_cast<std::size_t>(g) * kdim + d);
+      for (int t = 0; t < NT; ++t) acc[g][t] = Vec::fma(qv, kv[t], acc[g][t]);
+    }
+  }
+  if (d < kdim) {
+    const int rest = kdim - d;
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_partial(rows[t] + d, rest);
+    for (int g = 0; g < NG; ++g) {
+      const Vec qv = load_partial(q + static_cast<std::size_t>(g) * kdim + d, rest);
+      for (int t = 0; t < NT; ++t) acc[g][t] = Vec::fma(qv, kv[t], acc[g][t]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < NT; ++t) sc[g * kDecodeTile + j0 + t] = acc[g][t].hsum();
+}
+
+/// acc_g += sum_t p[g, j0 + t] * v_t for NG accumulator rows and NT V rows: each chunk of
+/// an accumulator row is loaded and stored once for all NT tokens.
+template <int NG, int NT, class T>
+inline void accum_block(float* acc,            // [NG, vdim]
+                        const float* pr,       // [NG, kDecodeTile] probabilities
+                        std::int32_t j0, const T* const* rows,  // [NT] V rows of vdim elements
+                        std::int32_t vdim) {
+  constexpr int W = Vec::kLanes;
+  Vec w[NG][NT];
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < NT; ++t) w[g][t] = Vec::set1(pr[g * kDecodeTile + j0 + t]);
+  std::int32_t d = 0;
+  for (; d + W <= vdim; d += W) {
+    Vec vv[NT];
+    for (int t = 0; t < NT; ++t) vv[t] = Vec::load(rows[t] + d);
+    for (int g = 0; g < NG; ++g) {
+      float* a = acc + static_cast<std::size_t>(g) * vdim + d;
+      Vec x = Vec::load(a);
+      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
+      x.store(a);
+    }
+  }
+  if (d < vdim) {
+    const int rest = vdim - d;
+    Vec vv[NT];
+    for (int t = 0; t < NT; ++t) vv[t] = load_partial(rows[t] + d, rest);
+    for (int g = 0; g < NG; ++g) {
+      float* a = acc + static_cast<std::size_t>(g) * vdim + d;
+      Vec x = load_partial(a, rest);
+      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
+      store_partial(x, a, rest);
+    }
   }
 }
 
-/// Floats of workspace one (sequence, kv head) item uses.
-inline std::size_t decode_item_floats(std::int32_t group, std::int32_t head_dim) {
-  const std::size_t g = static_cast<std::size_t>(group), d = static_cast<std::size_t>(head_dim);
-  return 2 * g * d           // scaled q, accumulators
-         + 2 * d             // converted K and V rows (16-bit types)
-         + 2 * g             // running max and sum
-         + g * kDecodeTile;  // tile scores / probabilities
+/// score_block over all n tokens of a tile for NG queries.
+/// `vbytes` > 0: also prefetch the tile's V rows (read after the softmax) as it goes.
+template <int NG, class T>
+inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, float* sc,
+                       std::size_t vbytes) {
+  constexpr int NT = kTokensPerStep;
+  std::int32_t j = 0;
+  for (; j + NT <= tile.n; j += NT) {
+    if (vbytes != 0)
+      for (int t = 0; t < NT; ++t) prefetch_row(tile.v[j + t], vbytes);
+    score_block<NG, NT>(q, tile.k + j, kdim, sc, j);
+  }
+  for (; j < tile.n; ++j) {
+    if (vbytes != 0) prefetch_row(tile.v[j], vbytes);
+    score_block<NG, 1>(q, tile.k + j, kdim, sc, j);
+  }
 }
 
+/// accum_block over all n tokens of a tile for NG accumulator rows.
+template <int NG, class T>
+inline void accum_tile(float* acc, const float* pr, const Tile<T>& tile, std::int32_t vdim) {
+  constexpr int NT = kTokensPerStep;
+  std::int32_t j = 0;
+  for (; j + NT <= tile.n; j += NT) accum_block<NG, NT>(acc, pr, j, tile.v + j, vdim);
+  for (; j < tile.n; ++j) accum_block<NG, 1>(acc, pr, j, tile.v + j, vdim);
+}
+
+/// Online-softmax state of one (sequence, kv head, chunk): G queries' scaled q rows, the
+/// unnormalised V accumulators, running max and sum, and the tile's scores.
+struct SoftmaxState {
+  float* q;    // [G, kdim] sm_scale * q, gathered through k_channels
+  float* acc;  // [G, vdim]
+  float* m;    // [G] running max of the scaled logits
+  float* l;    // [G] running sum of exp(logit - m)
+  float* sc;   // [G, kDecodeTile] tile scores, then probabilities
+};
+
+inline SoftmaxState state_at(float* slice, const DecodeShape& s) {
+  const std::size_t g = static_cast<std::size_t>(s.group);
+  SoftmaxState st;
+  st.q = slice;
+  st.acc = st.q + g * static_cast<std::size_t>(s.kdim);
+  st.m = st.acc + g * static_cast<std::size_t>(s.vdim);
+  st.l = st.m + g;
+  st.sc = st.l + g;
+  return st;
+}
+
+/// The per-tile update: scores, softmax rescale, V accumulation, for all G queries.
+/// `scores_row(g)` is where query g's scaled logits go (nullptr: not requested).
+template <class T, class ScoresRow>
+void decode_tile(const SoftmaxState& st, const Tile<T>& tile, const DecodeShape& s,
+                 ScoresRow&& scores_row) {
+  constexpr int W = Vec::kLanes;
+  const std::int32_t G = s.group, n = tile.n;
+  const std::size_t vbytes = sizeof(T) * static_cast<std::size_t>(s.vdim);
+  std::int32_t g = 0;
+  // The first head block prefetches the V rows; later blocks find them in flight.
+  for (; g + 4 <= G; g += 4)
+    score_tile<4>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
+                  g == 0 ? vbytes : 0);
+  for (; g + 2 <= G; g += 2)
+    score_tile<2>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
+                  g == 0 ? vbytes : 0);
+  for (; g < G; ++g)
+    score_tile<1>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
+                  g == 0 ? vbytes : 0);
+
+  const std::int32_t padded = (n + W - 1) / W * W;  // <= kDecodeTile
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (g = 0; g < G; ++g) {
+    float* sg = st.sc + g * kDecodeTile;
+    if (float* out = scores_row(g))
+      for (std::int32_t j = 0; j < n; ++j) out[tile.tok[j]] = sg[j];
+    for (std::int32_t j = n; j < padded; ++j) sg[j] = ninf;  // exp -> 0
+    Vec mx = Vec::set1(ninf);
+    for (std::int32_t j = 0; j < padded; j += W) mx = Vec::max(mx, Vec::load(sg + j));
+    const float m_new = std::max(st.m[g], mx.hmax());
+    if (m_new > st.m[g]) {
+      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile
+      st.l[g] *= alpha;
+      scale(st.acc + static_cast<std::size_t>(g) * s.vdim, alpha, s.vdim);
+      st.m[g] = m_new;
+    }
+    const Vec mv = Vec::set1(m_new);
+    Vec sum = Vec::zero();
+    for (std::int32_t j = 0; j < padded; j += W) {
+      const Vec e = vexp(Vec::load(sg + j) - mv);
+      e.store(sg + j);
+      sum = sum + e;
+    }
+    st.l[g] += sum.hsum();
+  }
+
+  g = 0;
+  for (; g + 4 <= G; g += 4)
+    accum_tile<4>(st.acc + static_cast<std::size_t>(g) * s.vdim, st.sc + g * kDecodeTile, tile, s.vdim);
+  for (; g + 2 <= G; g += 2)
+    accum_tile<2>(st.acc + static_cast<std::size_t>(g) * s.vdim, st.sc + g * kDecodeTile, tile, s.vdim);
+  for (; g < G; ++g)
+    accum_tile<1>(st.acc + static_cast<std::size_t>(g) * s.vdim, st.sc + g * kDecodeTile, tile, s.vdim);
+}
+
+/// Folds state b into state a (G rows): log-sum-exp merge of unnormalised accumulators.
+inline void merge_states(const SoftmaxState& a, const SoftmaxState& b, std::int32_t G,
+                         std::int32_t vdim) {
+  for (std::int32_t g = 0; g < G; ++g) {
+    const float m = std::max(a.m[g], b.m[g]);
+    if (b.m[g] == -std::numeric_limits<float>::infinity()) continue;
+    const float wa = std::exp(a.m[g] - m), wb = std::exp(b.m[g] - m);
+    float* x = a.acc + static_cast<std::size_t>(g) * vdim;
+    const float* y = b.acc + static_cast<std::size_t>(g) * vdim;
+    for (std::int32_t d = 0; d < vdim; ++d) x[d] = x[d] * wa + y[d] * wb;
+    a.l[g] = a.l[g] * wa + b.l[g] * wb;
+    a.m[g] = m;
+  }
+}
+
+/// Writes out rows (acc / l, scattered through v_channels) and lse of (b, h).
+template <class T>
+void finalize_state(const SoftmaxState& st, const DecodeShape& s, const DecodeAttentionParams& p,
+                    std::int32_t b, std::int32_t h, T* out, float* lse) {
+  constexpr std::size_t kBuf = 256;
+  float buf[kBuf];
+  for (std::int32_t g = 0; g < s.group; ++g) {
+    const std::int64_t row = static_cast<std::int64_t>(b) * s.hq + static_cast<std::int64_t>(h) * s.group + g;
+    T* o = out + row * s.out_width;
+    const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
+    const float* a = st.acc + static_cast<std::size_t>(g) * s.vdim;
+    if (p.v_channels != nullptr) {
+      std::memset(static_cast<void*>(o), 0, sizeof(T) * static_cast<std::size_t>(s.out_width));
+      const std::int32_t* ch = p.v_channels + static_cast<std::int64_t>(h) * s.vdim;
+      for (std::int32_t d = 0; d < s.vdim; ++d) o[ch[d]] = from_float<T>(a[d] * inv);
+    } else {
+      for (std::int32_t d0 = 0; d0 < s.vdim; d0 += static_cast<std::int32_t>(kBuf)) {
+        const std::int32_t n = std::min<std::int32_t>(static_cast<std::int32_t>(kBuf), s.vdim - d0);
+        for (std::int32_t d = 0; d < n; ++d) buf[d] = a[d0 + d] * inv;
+        convert(buf, o + d0, static_cast<std::size_t>(n));
+      }
+    }
+    if (lse != nullptr)
+      lse[row] = st.l[g] > 0.f ? st.m[g] + std::log(st.l[g])
+                               : -std::numeric_limits<float>::infinity();
+  }
+}
+
+/// One work item: chunk c of the page list of (b, h). Leaves the state in its slice and,
+/// when the list has a single chunk, writes the output rows too.
+template <class T>
+void decode_item(const PagedKVView<T>& view, const T* q, T* out, float* lse,
+                 const DecodeAttentionParams& p, const DecodeShape& s, float* slice,
+                 std::int32_t b, std::int32_t h, std::int32_t c) {
+  const PageList list = page_list(view, p, b, h);
+  const std::int32_t chunks = list_chunks(list, view.page_size, s.splits);
+  if (c >= chunks) return;
+  const std::int32_t lb = list.begin + static_cast<std::int32_t>(
+                                           static_cast<std::int64_t>(list.size()) * c / chunks);
+  const std::int32_t le = list.begin + static_cast<std::int32_t>(
+                                           static_cast<std::int64_t>(list.size()) * (c + 1) / chunks);
+  const SoftmaxState st = state_at(slice, s);
+  const std::int32_t G = s.group;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (std::int32_t g = 0; g < G; ++g) {
+    const T* qg = q + (static_cast<std::int64_t>(b) * s.hq + static_cast<std::int64_t>(h) * G + g) * s.q_width;
+    float* qf = st.q + static_cast<std::size_t>(g) * s.kdim;
+    if (p.k_channels != nullptr) {
+      const std::int32_t* ch = p.k_channels + static_cast<std::int64_t>(h) * s.kdim;
+      for (std::int32_t d = 0; d < s.kdim; ++d) qf[d] = to_float(qg[ch[d]]) * p.sm_scale;
+    } else {
+      for (std::int32_t d = 0; d < s.kdim; ++d) qf[d] = to_float(qg[d]) * p.sm_scale;
+    }
+    st.m[g] = ninf;
+    st.l[g] = 0.f;
+  }
+  std::fill(st.acc, st.acc + static_cast<std::size_t>(G) * s.vdim, 0.f);
+
+  float* scores_base = nullptr;  // row of query (b, h*G) in p.scores
+  if (p.scores != nullptr) {
+    scores_base = p.scores + (static_cast<std::int64_t>(b) * s.hq + static_cast<std::int64_t>(h) * G) *
+                                 p.scores_stride;
+    if (list.subset != nullptr) {
+      // -inf for the unread pages this chunk answers for: logical pages from the chunk's
+      // first (0 for chunk 0) up to the next chunk's first (the sequence's end for the last).
+      const std::int32_t len = view.seq_len(b);
+      const std::int32_t from = c == 0 ? 0 : list.logical(lb);
+      const std::int32_t to = le < list.end ? list.logical(le) : view.num_pages(b);
+      std::int32_t i = lb;
+      for (std::int32_t lp = from; lp < to; ++lp) {
+        if (i < le && list.logical(i) == lp) {
+          ++i;
+          continue;
+        }
+        const std::int32_t t0 = lp * view.page_size, t1 = std::min(len, t0 + view.page_size);
+        for (std::int32_t g = 0; g < G; ++g)
+          std::fill(scores_base + g * p.scores_stride + t0, scores_base + g * p.scores_stride + t1, ninf);
+      }
+    }
+  }
+  auto scores_row = [&](std::int32_t g) -> float* {
+    return scores_base != nullptr ? scores_base + g * p.scores_stride : nullptr;
+  };
+
+  const std::size_t krow_bytes = sizeof(T) * static_cast<std::size_t>(s.kdim);
+  TileCursor<T> cursor(view, b, h, list, lb, le);
+  Tile<T> tiles[2];
+  cursor.next(tiles[0]);
+  for (std::int32_t j = 0; j < tiles[0].n; ++j) prefetch_row(tiles[0].k[j], krow_bytes);
+  for (int cur = 0; tiles[cur].n > 0; cur ^= 1) {
+    Tile<T>& next = tiles[cur ^ 1];
+    cursor.next(next);
+    // The next tile often starts on another page, which the hardware prefetchers cannot
+    // predict: request its K rows now, a whole tile ahead of their use.
+    for (std::int32_t j = 0; j < next.n; ++j) prefetch_row(next.k[j], krow_bytes);
+    decode_tile(st, tiles[cur], s, scores_row);
+  }
+  if (chunks == 1) finalize_state(st, s, p, b, h, out, lse);
+}
+
+/// Status naming the first bad variant parameter (channels, page subset, scores), before
+/// any output is written.
+template <class T>
+Status check_decode_variants(const PagedKVView<T>& view, const DecodeAttentionParams& p) {
+  const std::int32_t hkv = view.num_kv_heads;
+  if (p.k_channels != nullptr || p.v_channels != nullptr)
+    KVKIT_CHECK_STATUS(p.q_dim > 0, StatusCode::kInvalidArgument, "q_dim ", p.q_dim,
+                       " must be > 0 when k_channels or v_channels is set");
+  const struct {
+    const std::int32_t* ids;
+    std::int32_t width;
+    const char* name;
+  } channel_sets[] = {{p.k_channels, view.head_dim, "k_channels"},
+                      {p.v_channels, view.v_head_dim, "v_channels"}};
+  for (const auto& cs : channel_sets) {
+    if (cs.ids == nullptr) continue;
+    const std::int64_t n = static_cast<std::int64_t>(hkv) * cs.width;
+    for (std::int64_t i = 0; i < n; ++i)
+      KVKIT_CHECK_STATUS(cs.ids[i] >= 0 && cs.ids[i] < p.q_dim, StatusCode::kOutOfRange, cs.name,
+                         "[", i, "] = ", cs.ids[i], " (kv head ", i / cs.width, ") outside [0, q_dim ",
+                         p.q_dim, ")");
+  }
+  KVKIT_CHECK_STATUS(p.page_subset == nullptr || p.page_subset_indptr != nullptr,
+                     StatusCode::kInvalidArgument, "page_subset is set but page_subset_indptr is null");
+  if (p.page_subset_indptr != nullptr) {
+    const std::int32_t* ip = p.page_subset_indptr;
+    KVKIT_CHECK_STATUS(ip[0] >= 0, StatusCode::kOutOfRange, "page_subset_indptr[0] = ", ip[0],
+                       " is negative");
+    for (std::int32_t b = 0; b < view.batch_size; ++b) {
+      const std::int32_t np = view.num_pages(b);
+      for (std::int32_t h = 0; h < hkv; ++h) {
+        const std::int64_t i = static_cast<std::int64_t>(b) * hkv + h;
+        KVKIT_CHECK_STATUS(ip[i + 1] >= ip[i], StatusCode::kOutOfRange, "page_subset_indptr[", i + 1,
+                           "] = ", ip[i + 1], " is below page_subset_indptr[", i, "] = ", ip[i],
+                           " (sequence ", b, ", kv head ", h, ")");
+        KVKIT_CHECK_STATUS(ip[i + 1] == ip[i] || p.page_subset != nullptr,
+                           StatusCode::kInvalidArgument, "page_subset is null");
+        for (std::int32_t k = ip[i]; k < ip[i + 1]; ++k) {
+          const std::int32_t lp = p.page_subset[k];
+          KVKIT_CHECK_STATUS(lp >= 0 && lp < np, StatusCode::kOutOfRange, "page_subset[", k, "] = ", lp,
+                             " outside [0, ", np, ") pages of sequence ", b, " (kv head ", h, ")");
+          KVKIT_CHECK_STATUS(k == ip[i] || lp > p.page_subset[k - 1], StatusCode::kInvalidArgument,
+                             "page_subset[", k, "] = ", lp, " is not above the previous entry ",
+                             p.page_subset[k - 1], " (sequence ", b, ", kv head ", h,
+                             "): subsets must be strictly ascending");
+        }
+      }
+    }
+  }
+  if (p.scores != nullptr) {
+    for (std::int32_t b = 0; b < view.batch_size; ++b)
+      KVKIT_CHECK_STATUS(p.scores_stride >= view.seq_len(b), StatusCode::kInvalidArgument,
+                         "scores_stride ", p.scores_stride, " is smaller than sequence ", b, "'s ",
+                         view.seq_len(b), " tokens");
+  }
+  return Status::ok();
+}
+
+}  // namespace KVKIT_SIMD_NS
 }  // namespace cpu
 }  // namespace detail
 
-/// Bytes of workspace paged_decode_attention needs for this view and params (one float
-/// slice per (sequence, kv head), so any thread count fits).
+/// Bytes of workspace paged_decode_attention needs for this view and params. Depends on
+/// the batch size, heads, head dims and GQA group only (not on sequence lengths or the
+/// thread count), so one allocation serves every step of a batch shape.
 template <class T>
 std::size_t paged_decode_attention_workspace_size(exec::Host, const PagedKVView<T>& view,
                                                   const DecodeAttentionParams& p) {
   if (view.num_kv_heads <= 0 || p.num_qo_heads <= 0 || view.batch_size <= 0) return 0;
-  const std::int32_t group = std::max(1, p.num_qo_heads / view.num_kv_heads);
-  const std::size_t items = static_cast<std::size_t>(view.batch_size) * view.num_kv_heads;
-  return WorkspaceSizer()
-      .add<float>(items * detail::cpu::decode_item_floats(group, view.head_dim))
-      .bytes();
+  const detail::cpu::DecodeShape s = detail::cpu::decode_shape(view, p);
+  const std::size_t items =
+      static_cast<std::size_t>(view.batch_size) * static_cast<std::size_t>(s.hkv) * s.splits;
+  return WorkspaceSizer().add<float>(items * s.item_floats).bytes();
 }
 
 /// Decode attention over a paged KV cache: for each sequence b and query head hq,
 /// out[b, hq] = softmax(sm_scale * q[b, hq] · K[b, :, hq / G]ᵀ) · V[b, :, hq / G] with
-/// G = num_qo_heads / num_kv_heads, over all view.seq_len(b) tokens. `lse`, when given,
-/// receives the natural-log sum of exp of the scaled logits. An empty sequence yields
-/// out = 0 and lse = -inf. Checks the memory space, params, pointers, page table and
-/// workspace size (kInvalidArgument when smaller than
-/// paged_decode_attention_workspace_size) before touching any output.
+/// G = num_qo_heads / num_kv_heads, over the tokens of the pages read: all of b's pages,
+/// or the page subset of (b, kv head) when params.page_subset_indptr is set. With
+/// k_channels / v_channels the keys / values are channel-restricted (see params.hpp), and
+/// params.scores receives sm_scale * q·k of every token read (-inf on unread pages).
+/// `lse`, when given, receives the natural-log sum of exp of the scaled logits, for
+/// merge_attention_states. Nothing read (an empty sequence or subset) yields out = 0 and
+/// lse = -inf. Checks the memory space, params (each variant's indices), pointers, page
+/// table and workspace size (kInvalidArgument when smaller than
+/// paged_decode_attention_workspace_size) before writing any output. Outputs are bitwise
+/// identical for any thread count.
 template <class T>
 Status paged_decode_attention(exec::Host ex, PagedKVView<T> view,
-                              const T* q,  // [batch, Hq, D]
-                              T* out,      // [batch, Hq, D]
+                              const T* q,  // [batch, Hq, q_width] (q_dim or head_dim)
+                              T* out,      // [batch, Hq, out_width] (q_dim or v_head_dim)
                               const DecodeAttentionParams& p, Workspace ws,
                               float* lse = nullptr) {  // [batch, Hq] or nullptr
   KVKIT_RETURN_IF_ERROR(detail::check_host_view(view, /*check_table=*/true));
   KVKIT_RETURN_IF_ERROR(detail::check_decode_params(view, p));
+  KVKIT_RETURN_IF_ERROR(detail::cpu::check_decode_variants(view, p));
   if (view.batch_size == 0) return Status::ok();
   KVKIT_CHECK_STATUS(q != nullptr && out != nullptr, StatusCode::kInvalidArgument,
                      "paged_decode_attention got a null q or out");
@@ -179,175 +564,103 @@ Status paged_decode_attention(exec::Host ex, PagedKVView<T> view,
   KVKIT_CHECK_STATUS(ws.bytes >= need && ws.data != nullptr, StatusCode::kInvalidArgument,
                      "workspace of ", ws.bytes, " bytes is smaller than the ", need,
                      " bytes paged_decode_attention needs");
-  const std::int32_t hkv = view.num_kv_heads, hq = p.num_qo_heads, dim = view.head_dim;
-  const std::int32_t group = hq / hkv;
-  const std::size_t item_floats = detail::cpu::decode_item_floats(group, dim);
-  float* scratch = WorkspaceCarver(ws).take<float>(item_floats *
-                                                   static_cast<std::size_t>(view.batch_size) * hkv);
+  const detail::cpu::DecodeShape s = detail::cpu::decode_shape(view, p);
+  const std::int64_t pairs = static_cast<std::int64_t>(view.batch_size) * s.hkv;
+  float* scratch = WorkspaceCarver(ws).take<float>(static_cast<std::size_t>(pairs) * s.splits *
+                                                   s.item_floats);
   if (scratch == nullptr)
     return make_status(StatusCode::kInvalidArgument, "workspace of ", ws.bytes, " bytes too small");
-  const float scale = p.sm_scale;
+  auto slice = [&](std::int64_t item) { return scratch + static_cast<std::size_t>(item) * s.item_floats; };
 
-  // NHD-like layouts (heads of a token adjacent) read each token's whole [Hkv, D] row in
-  // one pass, so one work item covers several heads; head-major layouts keep one head per
-  // item (its rows are contiguous within a page). Each head's arithmetic is the same
-  // either way, so results do not depend on the chunking or the thread count.
-  const bool token_major = view.k_stride_head < view.k_stride_token;
-  const std::int32_t hpi =
-      token_major ? detail::heads_per_item(ex, view.batch_size, hkv, hkv) : 1;
-  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * (hkv / hpi);
-  // Rows prefetched ahead: about 8 KiB of K (or V) in flight.
-  const std::size_t row_bytes = sizeof(T) * static_cast<std::size_t>(dim);
-  const std::int32_t ahead = std::min<std::int32_t>(
-      detail::cpu::kDecodeTile,
-      std::max<std::int32_t>(1, static_cast<std::int32_t>(8192 / (row_bytes * hpi))));
-
-  detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int) {
-    constexpr std::int32_t kTile = detail::cpu::kDecodeTile;
-    const T* krow[kTile];  // row of head h0 of each tile token
-    const T* vrow[kTile];
-    const T* knext[kTile];  // K rows of the next tile's first `ahead` tokens
-    const std::int64_t ksh = view.k_stride_head, vsh = view.v_stride_head;
+  detail::parallel_for(ex, pairs * s.splits, [&](std::int64_t begin, std::int64_t end, int) {
     for (std::int64_t item = begin; item < end; ++item) {
-      const std::int32_t b = static_cast<std::int32_t>(item / (hkv / hpi));
-      const std::int32_t h0 = static_cast<std::int32_t>(item % (hkv / hpi)) * hpi;
-      // Scratch slice of (b, h0 + i): q, acc, K and V rows, max, sum, scores.
-      auto slice = [&](std::int32_t i) {
-        return scratch + (static_cast<std::size_t>(b) * hkv + h0 + i) * item_floats;
-      };
-      const std::size_t gd = static_cast<std::size_t>(group) * dim;
-      const std::size_t off_m = 2 * gd + 2 * static_cast<std::size_t>(dim);
-      const std::int64_t head_base = static_cast<std::int64_t>(b) * hq;
-      for (std::int32_t i = 0; i < hpi; ++i) {
-        float* qf = slice(i);
-        float* m = qf + off_m;
-        float* l = m + group;
-        const std::int64_t head0 = head_base + static_cast<std::int64_t>(h0 + i) * group;
-        for (std::int32_t g = 0; g < group; ++g) {
-          const T* qg = q + (head0 + g) * dim;
-          for (std::int32_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qg[d]) * scale;
-          m[g] = -std::numeric_limits<float>::infinity();
-          l[g] = 0.f;
-        }
-        std::fill(qf + gd, qf + 2 * gd, 0.f);
+      const std::int64_t pair = item / s.splits;
+      detail::cpu::decode_item(view, q, out, lse, p, s, slice(item),
+                               static_cast<std::int32_t>(pair / s.hkv),
+                               static_cast<std::int32_t>(pair % s.hkv),
+                               static_cast<std::int32_t>(item % s.splits));
+    }
+  });
+  if (s.splits > 1) {
+    // Chunked pairs: fold chunk states in chunk order (fixed), then write the output.
+    detail::parallel_for(ex, pairs, [&](std::int64_t begin, std::int64_t end, int) {
+      for (std::int64_t pair = begin; pair < end; ++pair) {
+        const std::int32_t b = static_cast<std::int32_t>(pair / s.hkv);
+        const std::int32_t h = static_cast<std::int32_t>(pair % s.hkv);
+        const std::int32_t chunks = detail::cpu::list_chunks(
+            detail::cpu::page_list(view, p, b, h), view.page_size, s.splits);
+        if (chunks == 1) continue;  // written by its item
+        const detail::cpu::SoftmaxState st0 = detail::cpu::state_at(slice(pair * s.splits), s);
+        for (std::int32_t c = 1; c < chunks; ++c)
+          detail::cpu::merge_states(st0, detail::cpu::state_at(slice(pair * s.splits + c), s),
+                                    s.group, s.vdim);
+        detail::cpu::finalize_state(st0, s, p, b, h, out, lse);
       }
+    });
+  }
+  return Status::ok();
+}
 
-      const std::int32_t len = view.seq_len(b);
-      std::int32_t page_idx = 0, slot = 0;
-      std::int32_t page = len > 0 ? view.page_id(b, 0) : 0;
-      for (std::int32_t t0 = 0; t0 < len; t0 += kTile) {
-        const std::int32_t n = std::min(kTile, len - t0);
-        for (std::int32_t j = 0; j < n; ++j) {  // row addresses, no division per token
-          krow[j] = view.k_data + view.k_offset(page, slot, h0);
-          vrow[j] = view.v_data + view.v_offset(page, slot, h0);
-          if (++slot == view.page_size && t0 + j + 1 < len) {
-            slot = 0;
-            page = view.page_id(b, ++page_idx);
-          }
+/// Merges two partial attentions over disjoint token sets (e.g. a packed old part and a
+/// full-width recent window, or two page ranges) given their outputs and log-sum-exps:
+/// out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b}) and
+/// lse = log(e^{lse_a} + e^{lse_b}), computed relative to max(lse_a, lse_b). A side with
+/// lse -inf (nothing read) contributes nothing: the other is copied bit for bit; both -inf
+/// gives 0 and -inf. `out` may alias out_a or out_b. Accumulates in float; rows are
+/// independent, so results do not depend on the thread count.
+template <class T>
+Status merge_attention_states(exec::Host ex,
+                              const T* out_a,      // [rows, dim]
+                              const float* lse_a,  // [rows]
+                              const T* out_b,      // [rows, dim]
+                              const float* lse_b,  // [rows]
+                              T* out,              // [rows, dim]
+                              float* lse,          // [rows] or nullptr
+                              std::int64_t rows, std::int32_t dim) {
+  KVKIT_CHECK_STATUS(rows >= 0 && dim >= 0, StatusCode::kInvalidArgument,
+                     "merge_attention_states needs rows >= 0 and dim >= 0, got rows=", rows,
+                     " dim=", dim);
+  if (rows == 0) return Status::ok();
+  KVKIT_CHECK_STATUS(out_a != nullptr && lse_a != nullptr && out_b != nullptr && lse_b != nullptr &&
+                         (out != nullptr || dim == 0),
+                     StatusCode::kInvalidArgument,
+                     "merge_attention_states got a null out_a, lse_a, out_b, lse_b or out");
+  using detail::cpu::Vec;
+  const std::int64_t per_task = std::max<std::int64_t>(1, 16384 / std::max(1, dim));
+  const std::int64_t tasks = (rows + per_task - 1) / per_task;
+  detail::parallel_for(ex, tasks, [&](std::int64_t tb, std::int64_t te, int) {
+    constexpr std::int32_t kBuf = 256;
+    alignas(64) float fa[kBuf], fb[kBuf];
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (std::int64_t r = tb * per_task; r < std::min(rows, te * per_task); ++r) {
+      const float la = lse_a[r], lb = lse_b[r];
+      const std::size_t off = static_cast<std::size_t>(r) * static_cast<std::size_t>(dim);
+      if (la == ninf || lb == ninf) {
+        if (la == ninf && lb == ninf) {
+          for (std::int32_t d = 0; d < dim; ++d) out[off + d] = from_float<T>(0.f);
+        } else {
+          const T* src = la == ninf ? out_b : out_a;
+          if (out + off != src + off)
+            std::memmove(static_cast<void*>(out + off), src + off, sizeof(T) * static_cast<std::size_t>(dim));
         }
-        // The next tile's first rows, to prefetch during this tile's V pass (a new tile
-        // often starts on a new page, which the hardware prefetchers do not predict).
-        const std::int32_t n_next = std::min(ahead, len - t0 - n);
-        {
-          std::int32_t pi = page_idx, sl = slot, pg = page;
-          for (std::int32_t j = 0; j < n_next; ++j) {
-            knext[j] = view.k_data + view.k_offset(pg, sl, h0);
-            if (++sl == view.page_size && j + 1 < n_next) {
-              sl = 0;
-              pg = view.page_id(b, ++pi);
-            }
-          }
-        }
-        if (t0 == 0)
-          for (std::int32_t j = 0; j < std::min(ahead, n); ++j)
-            for (std::int32_t i = 0; i < hpi; ++i)
-              detail::prefetch_bytes(krow[j] + i * ksh, row_bytes);
-        for (std::int32_t j = 0; j < n; ++j) {
-          // Prefetch the K rows `ahead` tokens on, then the first V rows of the tile.
-          const std::int32_t pj = j + ahead;
-          const T* pre = pj < n ? krow[pj] : (pj - n < n ? vrow[pj - n] : nullptr);
-          const std::int64_t pre_sh = pj < n ? ksh : vsh;
-          for (std::int32_t i = 0; i < hpi; ++i) {
-            if (pre != nullptr) detail::prefetch_bytes(pre + i * pre_sh, row_bytes);
-            float* qf = slice(i);
-            float* kbuf = qf + 2 * gd;
-            float* sc = qf + off_m + 2 * static_cast<std::size_t>(group);
-            const float* kf = detail::cpu::row_as_float(krow[j] + i * ksh, kbuf, dim);
-            std::int32_t g = 0;
-            for (; g + 4 <= group; g += 4) {
-              float r[4];
-              detail::cpu::dot4_f32(qf + g * dim, dim, kf, dim, r);
-              for (int e = 0; e < 4; ++e) sc[(g + e) * kTile + j] = r[e];
-            }
-            for (; g < group; ++g) sc[g * kTile + j] = detail::cpu::dot_f32(qf + g * dim, kf, dim);
-          }
-        }
-        for (std::int32_t i = 0; i < hpi; ++i) {
-          float* qf = slice(i);
-          float* acc = qf + gd;
-          float* m = qf + off_m;
-          float* l = m + group;
-          float* sc = l + group;
-          for (std::int32_t g = 0; g < group; ++g) {
-            float* s = sc + g * kTile;
-            float tile_max = s[0];
-            for (std::int32_t j = 1; j < n; ++j) tile_max = std::max(tile_max, s[j]);
-            const float m_new = std::max(m[g], tile_max);
-            if (m_new > m[g]) {
-              const float alpha = std::exp(m[g] - m_new);  // 0 on the first tile
-              l[g] *= alpha;
-              float* a = acc + static_cast<std::size_t>(g) * dim;
-              for (std::int32_t d = 0; d < dim; ++d) a[d] *= alpha;
-              m[g] = m_new;
-            }
-            float sum = 0.f;
-            for (std::int32_t j = 0; j < n; ++j) {
-              s[j] = std::exp(s[j] - m_new);
-              sum += s[j];
-            }
-            l[g] += sum;
-          }
-        }
-        for (std::int32_t j = 0; j < n; ++j) {
-          const std::int32_t pj = j + ahead;
-          for (std::int32_t i = 0; i < hpi; ++i) {
-            if (pj < n)
-              detail::prefetch_bytes(vrow[pj] + i * vsh, row_bytes);
-            else if (pj - n < n_next)
-              detail::prefetch_bytes(knext[pj - n] + i * ksh, row_bytes);
-            float* qf = slice(i);
-            float* acc = qf + gd;
-            float* vbuf = qf + 2 * gd + dim;
-            const float* sc = qf + off_m + 2 * static_cast<std::size_t>(group);
-            const float* vf = detail::cpu::row_as_float(vrow[j] + i * vsh, vbuf, dim);
-            std::int32_t g = 0;
-            for (; g + 4 <= group; g += 4) {
-              const float pr[4] = {sc[g * kTile + j], sc[(g + 1) * kTile + j],
-                                   sc[(g + 2) * kTile + j], sc[(g + 3) * kTile + j]};
-              detail::cpu::axpy4_f32(acc + static_cast<std::size_t>(g) * dim, dim, pr, vf, dim);
-            }
-            for (; g < group; ++g)
-              detail::cpu::axpy_f32(acc + static_cast<std::size_t>(g) * dim, sc[g * kTile + j],
-                                    vf, dim);
-          }
-        }
+        if (lse != nullptr) lse[r] = la == ninf ? lb : la;
+        continue;
       }
-      for (std::int32_t i = 0; i < hpi; ++i) {
-        const float* qf = slice(i);
-        const float* acc = qf + gd;
-        const float* m = qf + off_m;
-        const float* l = m + group;
-        const std::int64_t head0 = head_base + static_cast<std::int64_t>(h0 + i) * group;
-        for (std::int32_t g = 0; g < group; ++g) {
-          T* og = out + (head0 + g) * dim;
-          const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-          const float* a = acc + static_cast<std::size_t>(g) * dim;
-          for (std::int32_t d = 0; d < dim; ++d) og[d] = from_float<T>(a[d] * inv);
-          if (lse != nullptr)
-            lse[head0 + g] =
-                l[g] > 0.f ? m[g] + std::log(l[g]) : -std::numeric_limits<float>::infinity();
-        }
+      const float m = std::max(la, lb);
+      const float ea = std::exp(la - m), eb = std::exp(lb - m);  // one of them is 1
+      const float inv = 1.f / (ea + eb);
+      const Vec wa = Vec::set1(ea * inv), wb = Vec::set1(eb * inv);
+      for (std::int32_t d0 = 0; d0 < dim; d0 += kBuf) {
+        const std::int32_t n = std::min(kBuf, dim - d0);
+        detail::cpu::convert(out_a + off + d0, fa, static_cast<std::size_t>(n));
+        detail::cpu::convert(out_b + off + d0, fb, static_cast<std::size_t>(n));
+        std::int32_t d = 0;
+        for (; d + Vec::kLanes <= n; d += Vec::kLanes)
+          Vec::fma(wa, Vec::load(fa + d), wb * Vec::load(fb + d)).store(fa + d);
+        for (; d < n; ++d) fa[d] = (ea * inv) * fa[d] + (eb * inv) * fb[d];
+        detail::cpu::convert(fa, out + off + d0, static_cast<std::size_t>(n));
       }
+      if (lse != nullptr) lse[r] = m + std::log1p(std::min(ea, eb));
     }
   });
   return Status::ok();
