@@ -577,3 +577,32 @@ TEST_CASE("tokens() splits into processed tokens, the pending token and unfed pr
   CHECK(eng.tokens(a).size() == 5);  // + the greedy token, pending
   CHECK(eng.pending_token(a) == eng.tokens(a).back());
 }
+
+TEST_CASE("truncating into a shared page copies it on the next write, not before",
+          "[engine][hooks][cow][events]") {
+  const EngineOptions o = small_pages();
+  const auto ref = clean_logits(o, {kBosToken, 43}, 16);
+  Engine eng(synthetic(), o);
+  const SeqId a = eng.add_sequence({kBosToken, 43});
+  for (int s = 0; s < 10; ++s) eng.step();
+  const SeqId f = eng.fork_sequence(a);
+  const std::int32_t shared = eng.pages(a)[1];
+  std::vector<PageEvent> ev;
+  eng.add_page_listener([&](const PageEvent& e) { ev.push_back(e); });
+  eng.truncate_kv(f, 6);  // cuts page 1, which a still holds in full
+  REQUIRE(ev.size() == 1);  // the copied page 2 of f is released; no rewrite of page 1
+  CHECK(ev[0].kind == PageEventKind::kRelease);
+  CHECK(ev[0].seq == f);
+  ev.clear();
+  eng.step();
+  CHECK(eng.pages(a)[1] == shared);
+  CHECK(eng.pages(f)[1] != shared);
+  CHECK(std::count_if(ev.begin(), ev.end(), [&](const PageEvent& e) {
+          return e.kind == PageEventKind::kRewrite && e.source_page == shared && e.seq == f;
+        }) == 1);
+  CHECK(eng.allocator().refcount(shared) == 1);
+  for (int s = 0; s < 5; ++s) eng.step();
+  CHECK(eng.last_logits(a) == ref.back());  // a's cache never changed
+  CHECK(eng.kv_len(f) == 12);
+  CHECK(eng.position(f) == 16);
+}

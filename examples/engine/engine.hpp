@@ -34,16 +34,18 @@
 //    logits; they may change sequences (truncate_kv, free_sequence, notify_rewrite).
 //  - Page events (add_page_listener): every allocate / retain / release of a page, with the
 //    sequence the engine acted for (-1 for direct allocator() calls), and kRewrite when a
-//    page's contents change other than by appending: truncate_kv (slots past the new end),
-//    notify_rewrite (a compaction policy rewrote pages; it must call it), and copies
-//    (copy-on-write and fork_sequence; source_page set). Appending a token is not an event:
-//    full pages never change, so a summary or hash of a full page stays valid until a
+//    page's contents change other than by appending: truncate_kv (slots past the new end
+//    of an exclusively owned last page), notify_rewrite (a compaction policy rewrote
+//    pages; it must call it) and copies (copy-on-write, fork_sequence; source_page set).
+//    Appending a token to the partial last page is not an event (step hooks see it); full
+//    pages never change otherwise, so a summary or hash of a full page stays valid until a
 //    kRewrite or its freeing kRelease (refcount 0).
 //  - Copy-on-write: a step never writes into a page another owner still holds; it copies
 //    the page (all layers, K and V) to a fresh one first (two live sequences sharing a
-//    partial page: the first in batch order copies, the other then writes in place). fork_sequence(id) shares full pages
-//    (retain) and copies the partly filled last page. Pages handed to add_sequence may be
-//    shared. A compaction policy that rewrites pages calls make_exclusive(id) first.
+//    partial page: the first in batch order copies, the other then writes in place).
+//    fork_sequence(id) shares full pages (retain) and copies the partly filled last page.
+//    Pages handed to add_sequence may be shared. A compaction policy that rewrites pages
+//    in place calls make_exclusive(id) first.
 //  - Allocation pressure: when a step, fork or make_exclusive needs more pages than are
 //    free, the reclaim callback (set_reclaim) is asked for the missing count and may free
 //    pages (evict a cached conversation, release stored blocks, truncate or free
@@ -343,7 +345,7 @@ class Engine {
   /// Drops cached K/V past `new_kv_len` (a policy compacted the kept tokens to the front)
   /// and releases the pages no longer needed. The position keeps counting processed tokens.
   /// Emits kRelease for dropped pages and kRewrite (first_slot = new_kv_len % page_size) for
-  /// a kept last page that lost tokens.
+  /// a kept, exclusively owned last page that lost tokens.
   void truncate_kv(SeqId id, std::int32_t new_kv_len) {
     Sequence& s = seq(id);
     KVKIT_CHECK(new_kv_len >= 0 && new_kv_len <= s.kv_len, "kvkit: truncate_kv of sequence ", id,
@@ -355,7 +357,10 @@ class Engine {
       s.pages.pop_back();
     }
     const std::int32_t cut = new_kv_len % opt_.page_size;
-    if (cut != 0 && new_kv_len < s.kv_len) emit_rewrite(s.pages.back(), id, -1, cut);
+    // An exclusively owned last page gets its cut slots overwritten in place by the next
+    // steps; a shared one is copied before that (copy-on-write), so its contents stay.
+    if (cut != 0 && new_kv_len < s.kv_len && allocator_->refcount(s.pages.back()) == 1)
+      emit_rewrite(s.pages.back(), id, -1, cut);
     s.kv_len = new_kv_len;
     dirty_ = true;
   }
