@@ -5,7 +5,18 @@
 // kvkit::Error at the point they are detected, with the offending value in the message.
 // Run paths and I/O return kvkit::Status instead and never throw, so a kernel launch
 // or a store round trip can fail without unwinding through an engine's hot loop.
-// Define KVKIT_NO_EXCEPTIONS to turn every throw into a message on stderr + abort.
+// Define KVKIT_NO_EXCEPTIONS to turn every throw into a message on stderr + abort; a
+// build with exceptions disabled (-fno-exceptions, /EHs-c-) gets the same automatically.
+
+/// 1 when the compiler accepts try/catch/throw (__cpp_exceptions, or GCC's __EXCEPTIONS
+/// / MSVC's _CPPUNWIND), 0 under -fno-exceptions. Independent of KVKIT_NO_EXCEPTIONS,
+/// which only stops kvkit itself from throwing: code that must catch a standard-library
+/// exception (parallel_for's refused thread) still does when the compiler allows it.
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS) || defined(_CPPUNWIND)
+#define KVKIT_HAS_EXCEPTIONS 1
+#else
+#define KVKIT_HAS_EXCEPTIONS 0
+#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -87,7 +98,7 @@ std::string concat(Args&&... args) {
 }
 
 [[noreturn]] inline void raise(const std::string& msg) {
-#if defined(KVKIT_NO_EXCEPTIONS)
+#if defined(KVKIT_NO_EXCEPTIONS) || !KVKIT_HAS_EXCEPTIONS
   std::fprintf(stderr, "kvkit: %s\n", msg.c_str());
   std::abort();
 #else

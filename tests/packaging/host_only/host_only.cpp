@@ -10,6 +10,9 @@
 #include <vector>
 
 int readme_example();  // readme_example.cpp
+#if defined(KVKIT_HOST_NO_EXCEPTIONS_CHECK)
+int no_exceptions_check();  // no_exceptions.cpp
+#endif
 
 static_assert(std::is_trivially_copyable<kvkit::PagedKVView<kvkit::half_t>>::value,
               "views are passed by value");
@@ -33,6 +36,9 @@ int main() {
     std::fprintf(stderr, "host_only: the README example failed\n");
     return 1;
   }
+#if defined(KVKIT_HOST_NO_EXCEPTIONS_CHECK)
+  if (no_exceptions_check() != 0) return 1;
+#endif
   std::printf("host_only ok: kvkit %s as C++%ld, no CUDA header included\n", KVKIT_VERSION,
               static_cast<long>(__cplusplus));
   return 0;

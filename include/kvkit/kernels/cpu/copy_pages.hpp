@@ -1,6 +1,7 @@
 #pragma once
 // copy_pages on the CPU: whole-page copies inside one pool (copy-on-write, defrag).
 
+#include <algorithm>
 #include <bitset>
 #include <cstddef>
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
 #include "kvkit/kernels/params.hpp"
@@ -17,9 +19,103 @@ namespace kvkit {
 namespace detail {
 namespace cpu {
 
-/// Pools up to this many pages are checked for src/dst clashes with on-stack bitsets
-/// (2 x 16 KiB); larger pools fall back to a quadratic scan, still allocation-free.
+/// The src/dst clash check marks ids in two on-stack bitsets (2 x 16 KiB) covering a
+/// window of this many page ids; pools up to this size take one pass, larger ones one
+/// pass per window of ids that holds any id (see find_copy_clash_windowed).
 inline constexpr std::int32_t kCopyPagesBitsetPages = 1 << 17;
+
+/// Above this many windows (pools over 2^21 pages) copy_pages with a workspace sorts the
+/// ids instead (O(n log n) whatever the pool size); without one it keeps windowing.
+inline constexpr std::int64_t kCopyPagesMaxWindows = 16;
+
+/// The first destination position that breaks copy_pages' rules (-1: none), and whether
+/// it repeats an earlier destination (else it is also a source page).
+struct CopyClash {
+  std::int32_t position = -1;
+  bool repeated = false;
+};
+
+/// Finds the first i with dst[i] among the sources or equal to an earlier dst[j], with no
+/// scratch beyond 32 KiB of stack: each pass marks the ids of one window
+/// [lo, lo + kCopyPagesBitsetPages) and finds the next non-empty window on the way, so a
+/// pool up to 131072 pages takes one pass and any pool at most one pass per window that
+/// holds an id (O(n * windows), windows <= min(2n, ids' span / 131072 + 1)). Ids must be
+/// >= 0. `passes` (optional) receives the number of passes, for tests.
+inline CopyClash find_copy_clash_windowed(const std::int32_t* src,  // [n]
+                                          const std::int32_t* dst,  // [n]
+                                          std::int32_t n, std::int64_t* passes = nullptr) {
+  constexpr std::int64_t kWindow = kCopyPagesBitsetPages;
+  std::bitset<kCopyPagesBitsetPages> is_src, is_dst;
+  CopyClash best;
+  std::int64_t lo = 0, count = 0;
+  for (;;) {
+    ++count;
+    const std::int64_t hi = lo + kWindow;
+    std::int64_t next = INT64_MAX;  // smallest id >= hi: where the next window starts
+    if (count > 1) {
+      is_src.reset();
+      is_dst.reset();
+    }
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int64_t s = src[i];
+      if (s >= lo && s < hi)
+        is_src.set(static_cast<std::size_t>(s - lo));
+      else if (s >= hi && s < next)
+        next = s;
+    }
+    bool found = false;  // only the first clash of a window can be the earliest
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int64_t d = dst[i];
+      if (d >= lo && d < hi) {
+        if (found) continue;
+        const auto bit = static_cast<std::size_t>(d - lo);
+        if (is_src.test(bit) || is_dst.test(bit)) {
+          found = true;
+          if (best.position < 0 || i < best.position) best = CopyClash{i, !is_src.test(bit)};
+        }
+        is_dst.set(bit);
+      } else if (d >= hi && d < next) {
+        next = d;
+      }
+    }
+    if (next == INT64_MAX) break;
+    lo = next;
+  }
+  if (passes != nullptr) *passes = count;
+  return best;
+}
+
+/// Same answer as find_copy_clash_windowed in O(n log n) whatever the ids' range, using
+/// caller scratch: the sources sorted, and the destinations sorted as (id << 32 | position)
+/// so each id's earliest positions come first.
+inline CopyClash find_copy_clash_sorted(const std::int32_t* src,  // [n]
+                                        const std::int32_t* dst,  // [n]
+                                        std::int32_t n,
+                                        std::int32_t* src_sorted,  // [n] scratch
+                                        std::uint64_t* dst_keys) {  // [n] scratch
+  std::copy(src, src + n, src_sorted);
+  std::sort(src_sorted, src_sorted + n);
+  for (std::int32_t i = 0; i < n; ++i)
+    dst_keys[i] = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(dst[i])) << 32) |
+                  static_cast<std::uint32_t>(i);
+  std::sort(dst_keys, dst_keys + n);
+  CopyClash best;
+  std::int32_t j = 0;  // first source >= the current id
+  for (std::int32_t g = 0; g < n;) {
+    const auto id = static_cast<std::int32_t>(dst_keys[g] >> 32);
+    std::int32_t end = g + 1;
+    while (end < n && static_cast<std::int32_t>(dst_keys[end] >> 32) == id) ++end;
+    while (j < n && src_sorted[j] < id) ++j;
+    CopyClash c;
+    if (j < n && src_sorted[j] == id)
+      c = CopyClash{static_cast<std::int32_t>(dst_keys[g] & 0xffffffffu), false};
+    else if (end - g >= 2)
+      c = CopyClash{static_cast<std::int32_t>(dst_keys[g + 1] & 0xffffffffu), true};
+    if (c.position >= 0 && (best.position < 0 || c.position < best.position)) best = c;
+    g = end;
+  }
+  return best;
+}
 
 /// True when the tokens and heads of one page pack into a single dense block of
 /// page_size*heads*head_dim elements (NHD or HND order), so the page is one memcpy even
@@ -58,17 +154,37 @@ void copy_one_page(T* base,  // pool: pages sp apart, tokens st, heads sh, rows 
 }  // namespace cpu
 }  // namespace detail
 
+/// Bytes of optional workspace that keep copy_pages' id check O(n log n) for n pairs on
+/// pools of more than 2^21 pages (0 for smaller pools, whose check is linear without it):
+/// n source ids and n destination keys to sort.
+template <class T>
+std::size_t copy_pages_workspace_size(exec::Host, const PagedKVView<T>& view, std::int32_t n) {
+  const std::int64_t windows =
+      (static_cast<std::int64_t>(view.num_pages_total) + detail::cpu::kCopyPagesBitsetPages - 1) /
+      detail::cpu::kCopyPagesBitsetPages;
+  if (n <= 0 || windows <= detail::cpu::kCopyPagesMaxWindows) return 0;
+  return WorkspaceSizer()
+      .add<std::int32_t>(static_cast<std::size_t>(n))
+      .add<std::uint64_t>(static_cast<std::size_t>(n))
+      .bytes();
+}
+
 /// Copies all tokens and heads of K and V of page src_pages[i] to page dst_pages[i] of
 /// the same pool, for i < n. The same source may feed several destinations, but a
 /// destination may appear only once and never as a source (so the result does not depend
 /// on order or threads). Ids must be in [0, view.num_pages_total). Returns
-/// kInvalidArgument naming the offending id; nothing is copied when a check fails.
-/// Dense pages are copied with one memcpy each, strided ones row by row.
+/// kInvalidArgument naming the first offending position and id; nothing is copied when a
+/// check fails. Dense pages are copied with one memcpy each, strided ones row by row.
+/// The clash check needs no scratch: it is one linear pass over the ids for pools up to
+/// 131072 pages, and one pass per 131072-page window of ids in use above that. `ws` is
+/// optional: with copy_pages_workspace_size(ex, view, n) bytes (non-zero only for pools
+/// over 2^21 pages) the check sorts the ids instead, O(n log n) at any pool size; a
+/// smaller workspace is simply not used. The verdict and message are the same either way.
 template <class T>
 Status copy_pages(exec::Host ex, PagedKVView<T> view,
                   const std::int32_t* src_pages,  // [n]
                   const std::int32_t* dst_pages,  // [n]
-                  std::int32_t n) {
+                  std::int32_t n, Workspace ws = Workspace{}) {
   KVKIT_RETURN_IF_ERROR(detail::check_host_view(view, /*check_table=*/false));
   KVKIT_CHECK_STATUS(n >= 0, StatusCode::kInvalidArgument, "n must be >= 0, got ", n);
   if (n == 0) return Status::ok();
@@ -83,28 +199,19 @@ Status copy_pages(exec::Host ex, PagedKVView<T> view,
                        "destination page id ", dst_pages[i], " at position ", i,
                        " out of range [0, ", np, ")");
   }
-  if (np <= detail::cpu::kCopyPagesBitsetPages) {
-    std::bitset<detail::cpu::kCopyPagesBitsetPages> is_src, is_dst;
-    for (std::int32_t i = 0; i < n; ++i) is_src.set(static_cast<std::size_t>(src_pages[i]));
-    for (std::int32_t i = 0; i < n; ++i) {
-      const auto d = static_cast<std::size_t>(dst_pages[i]);
-      KVKIT_CHECK_STATUS(!is_src.test(d), StatusCode::kInvalidArgument, "destination page id ",
-                         dst_pages[i], " at position ", i, " is also a source page");
-      KVKIT_CHECK_STATUS(!is_dst.test(d), StatusCode::kInvalidArgument, "destination page id ",
-                         dst_pages[i], " at position ", i, " is repeated");
-      is_dst.set(d);
-    }
+  const std::size_t sort_bytes = copy_pages_workspace_size(ex, view, n);
+  detail::cpu::CopyClash clash;
+  if (sort_bytes != 0 && ws.data != nullptr && ws.bytes >= sort_bytes) {
+    WorkspaceCarver carve(ws);
+    std::int32_t* src_sorted = carve.take<std::int32_t>(static_cast<std::size_t>(n));
+    std::uint64_t* dst_keys = carve.take<std::uint64_t>(static_cast<std::size_t>(n));
+    clash = detail::cpu::find_copy_clash_sorted(src_pages, dst_pages, n, src_sorted, dst_keys);
   } else {
-    for (std::int32_t i = 0; i < n; ++i)
-      for (std::int32_t j = 0; j < n; ++j) {
-        KVKIT_CHECK_STATUS(dst_pages[i] != src_pages[j], StatusCode::kInvalidArgument,
-                           "destination page id ", dst_pages[i], " at position ", i,
-                           " is also a source page");
-        KVKIT_CHECK_STATUS(j >= i || dst_pages[i] != dst_pages[j], StatusCode::kInvalidArgument,
-                           "destination page id ", dst_pages[i], " at position ", i,
-                           " is repeated");
-      }
+    clash = detail::cpu::find_copy_clash_windowed(src_pages, dst_pages, n);
   }
+  KVKIT_CHECK_STATUS(clash.position < 0, StatusCode::kInvalidArgument, "destination page id ",
+                     dst_pages[clash.position < 0 ? 0 : clash.position], " at position ",
+                     clash.position, clash.repeated ? " is repeated" : " is also a source page");
   const std::int32_t ps = view.page_size, hkv = view.num_kv_heads;
   const std::int32_t dim = view.head_dim, vdim = view.v_head_dim;
   const bool k_dense = detail::cpu::page_is_dense(view.k_stride_page, view.k_stride_token,

@@ -2,18 +2,25 @@
 // A minimal static parallel_for for the CPU kernels, and the small memory helpers they
 // share (software prefetch, incremental page lookup, head chunking).
 //
-// Work items [0, n) are cut into at most `threads` contiguous chunks, one per worker;
-// worker 0 runs on the calling thread. Every item is computed by the same code whatever
-// the chunking, so results are bitwise identical for any thread count. Chunk bodies must
-// not throw (kernels validate everything before they start). If the OS refuses a thread,
-// its chunk runs on the calling thread instead, so a run path never throws from here.
+// Work items [0, n) are cut into at most `threads` contiguous chunks (tasks), one per
+// worker; the chunking depends only on ex.threads and n. When ex.executor is set, the
+// engine's executor runs the tasks (e.g. kvkit::ThreadPool); otherwise worker 0 runs on
+// the calling thread and the others on std::threads started and joined per call. Every
+// item is computed by the same code whatever the chunking or executor, so results are
+// bitwise identical for any thread count. Chunk bodies must not throw (kernels validate
+// everything before they start). If the OS refuses a thread, its chunk runs on the calling
+// thread instead, so a run path never throws from here; built without exceptions
+// (-fno-exceptions) a refused thread cannot be caught and the standard library aborts, so
+// such builds that must survive thread exhaustion should pass an executor.
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <thread>
+#include <type_traits>
 
+#include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 
 namespace kvkit {
@@ -29,7 +36,8 @@ inline int host_workers(exec::Host ex, std::int64_t n) {
 }
 
 /// Calls body(begin, end, worker) for disjoint chunks covering [0, n); worker is in
-/// [0, host_workers(ex, n)). threads <= 1 (or n <= 1) runs inline.
+/// [0, host_workers(ex, n)) and each worker index gets exactly one chunk (so per-worker
+/// scratch indexed by it is never shared). threads <= 1 (or n <= 1) runs inline.
 template <class Body>
 void parallel_for(exec::Host ex, std::int64_t n, Body&& body) {
   if (n <= 0) return;
@@ -38,15 +46,32 @@ void parallel_for(exec::Host ex, std::int64_t n, Body&& body) {
     body(std::int64_t{0}, n, 0);
     return;
   }
+  if (ex.executor) {
+    // The executor sees only a function pointer and an opaque argument: this frame.
+    struct Job {
+      std::remove_reference_t<Body>* body;
+      std::int64_t n;
+      int workers;
+    } job{&body, n, workers};
+    ex.executor.run(ex.executor.ctx, workers, [](void* arg, int w) {
+      const Job& j = *static_cast<const Job*>(arg);
+      (*j.body)(j.n * w / j.workers, j.n * (w + 1) / j.workers, w);
+    }, &job);
+    return;
+  }
   auto chunk_begin = [&](int w) { return n * w / workers; };
   std::array<std::thread, kMaxHostThreads> pool;
   for (int w = 1; w < workers; ++w) {
     const std::int64_t b = chunk_begin(w), e = chunk_begin(w + 1);
+#if KVKIT_HAS_EXCEPTIONS
     try {
       pool[static_cast<std::size_t>(w)] = std::thread([&body, b, e, w] { body(b, e, w); });
     } catch (...) {
       body(b, e, w);  // no thread available: run this chunk here
     }
+#else
+    pool[static_cast<std::size_t>(w)] = std::thread([&body, b, e, w] { body(b, e, w); });
+#endif
   }
   body(std::int64_t{0}, chunk_begin(1), 0);
   for (int w = 1; w < workers; ++w)
