@@ -357,8 +357,8 @@ TEMPLATE_TEST_CASE("cuda: argument checks come before any CUDA call", "[cuda][er
                                   lse.data(), -3, 8),
            StatusCode::kInvalidArgument, "-3");
     expect(merge_attention_states(cu, buf.data(), lse.data(), buf.data(), lse.data(), buf.data(),
-                                  lse.data(), 4, 0),
-           StatusCode::kInvalidArgument, "0");
+                                  lse.data(), 4, -2),
+           StatusCode::kInvalidArgument, "-2");
     expect(merge_attention_states(cu, buf.data(), lse.data(), static_cast<const T*>(nullptr),
                                   lse.data(), buf.data(), lse.data(), 4, 8),
            StatusCode::kInvalidArgument, "null");
@@ -440,6 +440,8 @@ TEST_CASE("cuda: a DeviceStatus reads back as the CPU twin's Status", "[cuda][er
          StatusCode::kOutOfRange, "keep index 50 at position 3 of sequence 0 head 1");
   expect(make(StatusCode::kOutOfRange, DeviceCheck::kSubsetEntry, 4, 1, 2, 3, 0),
          StatusCode::kOutOfRange, "page_subset entry 4");
+  expect(make(StatusCode::kInvalidArgument, DeviceCheck::kSubsetOrder, 1, 1, 0, 2, 0),
+         StatusCode::kInvalidArgument, "not above the previous entry 2");
   expect(make(StatusCode::kOutOfRange, DeviceCheck::kKChannel, 130, 5, -1, 128, 1),
          StatusCode::kOutOfRange, "k_channels entry 130");
 }
@@ -832,23 +834,54 @@ TEMPLATE_TEST_CASE("cuda contract: bad decode tables write nothing", "[cuda][att
       expect_nothing_written(dev, p, cpu_run(h2.view, p), std::to_string(h2.base.row_stride));
     }
   }
-  {  // Variant arrays: a page subset out of order, a channel id past q_dim (the CPU twin
-     // must report the same codes).
-    KVPool<T> host(kPacked, 2, 32, 4, {13, 6}, rng);
-    DevicePool<T> dev(host);
-    const std::int32_t hq = 4;
-    const std::size_t rows = 2 * hq;
-    const std::vector<std::int32_t> sip = {0, 2, 3, 4, 4}, sub = {2, 1, 0, 1};  // (0,0): 2 then 1
-    DeviceBuffer<std::int32_t> dsip(sip), dsub(sub);
-    DecodeAttentionParams p{hq, 0.2f};
-    p.page_subset_indptr = dsip.get();
-    p.page_subset = dsub.get();
-    DecodeAttentionParams cp = p;
-    cp.page_subset_indptr = sip.data();
-    cp.page_subset = sub.data();
-    const auto q = test::random_vector<T>(rows * 32, rng);
+  // Variant arrays (the CPU twin must report the same codes): a page subset out of
+  // order, a subset entry past the sequence's pages, a k channel id past q_dim, scores
+  // rows shorter than a sequence. The device runs also write scores: they must stay.
+  KVPool<T> host(kPacked, 2, 32, 4, {13, 6}, rng);
+  DevicePool<T> dev(host);
+  const std::int32_t hq = 4, q_dim = 40;
+  const std::size_t rows = 2 * hq;
+  struct BadCase {
+    std::vector<std::int32_t> sip, sub, kch;
+    std::int64_t scores_stride;
+    std::string value;
+  };
+  std::vector<std::int32_t> kch(2 * 32);
+  for (std::size_t i = 0; i < kch.size(); ++i) kch[i] = static_cast<std::int32_t>(i % 32) + 3;
+  std::vector<std::int32_t> bad_kch = kch;
+  bad_kch[40] = q_dim;
+  const BadCase bad_cases[] = {
+      {{0, 2, 3, 4, 4}, {2, 1, 0, 1}, {}, 16, "page_subset"},  // (0, 0): 2 then 1
+      {{0, 1, 2, 3, 4}, {0, 3, 1, 2}, {}, 16, "2"},            // seq 1 has 2 pages
+      {{}, {}, bad_kch, 16, std::to_string(q_dim)},
+      {{}, {}, kch, 12, "12"},                                 // seq 0 holds 13 tokens
+  };
+  for (const BadCase& bc : bad_cases) {
+    CAPTURE(bc.value);
+    const bool channels = !bc.kch.empty();
+    const auto q = test::random_vector<T>(rows * (channels ? q_dim : 32), rng);
     const auto garbage = test::random_vector<T>(rows * 32, rng);
-    std::vector<T> cpu_out(rows * 32);
+    const auto scores_garbage =
+        test::random_vector<float>(rows * static_cast<std::size_t>(bc.scores_stride), rng);
+    DeviceBuffer<std::int32_t> dsip(bc.sip), dsub(bc.sub), dkch(bc.kch);
+    DeviceBuffer<float> dscores(scores_garbage);
+    std::vector<float> cpu_scores = scores_garbage;
+    DecodeAttentionParams p{hq, 0.2f}, cp{hq, 0.2f};
+    if (!bc.sip.empty()) {
+      p.page_subset_indptr = dsip.get();
+      p.page_subset = dsub.get();
+      cp.page_subset_indptr = bc.sip.data();
+      cp.page_subset = bc.sub.data();
+    }
+    if (channels) {
+      p.k_channels = dkch.get();
+      cp.k_channels = bc.kch.data();
+      p.q_dim = cp.q_dim = q_dim;
+    }
+    p.scores = dscores.get();
+    cp.scores = cpu_scores.data();
+    p.scores_stride = cp.scores_stride = bc.scores_stride;
+    std::vector<T> cpu_out = garbage;
     std::vector<unsigned char> cpu_ws(paged_decode_attention_workspace_size(exec::Host{}, host.view, cp));
     const Status cpu = paged_decode_attention(exec::Host{}, host.view, q.data(), cpu_out.data(), cp,
                                               Workspace{cpu_ws.data(), cpu_ws.size()});
@@ -857,8 +890,10 @@ TEMPLATE_TEST_CASE("cuda contract: bad decode tables write nothing", "[cuda][att
     DeviceBuffer<T> dq(q), dout(garbage);
     KVKIT_REQUIRE_OK(paged_decode_attention(stream.exec(), dev.view, dq.get(), dout.get(), p,
                                             Workspace{dws.get(), dws.size()}));
-    require_device_error(stream.status(), cpu, "page_subset");
+    require_device_error(stream.status(), cpu, bc.value);
     CHECK(test::bitwise_equal(dout.download(), garbage));
+    CHECK(test::bitwise_equal(dscores.download(), scores_garbage));
+    CHECK(test::bitwise_equal(cpu_out, garbage));  // the CPU twin wrote nothing either
   }
 }
 

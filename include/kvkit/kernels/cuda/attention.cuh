@@ -459,11 +459,19 @@ __global__ void validate_decode_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
         report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetIndptr, lo, -1, b, hi, h);
         continue;
       }
+      if (hi > lo && a.subset == nullptr) {
+        report(st, StatusCode::kInvalidArgument, DeviceCheck::kSubsetNull, hi - lo, -1, b, 0, h);
+        continue;
+      }
       std::int32_t prev = -1;
       for (std::int32_t i = 0; i < hi - lo; ++i) {
         const std::int32_t e = a.subset[lo + i];
-        if (e <= prev || e >= np) {
+        if (e < 0 || e >= np) {
           report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetEntry, e, i, b, np, h);
+          break;
+        }
+        if (e <= prev) {  // in range but not ascending: kInvalidArgument, as on the CPU
+          report(st, StatusCode::kInvalidArgument, DeviceCheck::kSubsetOrder, e, i, b, prev, h);
           break;
         }
         prev = e;
@@ -544,12 +552,14 @@ __global__ void merge_states_out_kernel(const T* out_a,      // [rows, dim]
     const std::int64_t row = i / dim;
     const float la = lse_a[row], lb = lse_b[row];
     const float mx = fmaxf(la, lb);
-    float r = 0.f;
-    if (mx != -INFINITY) {
-      const float wa = expf(la - mx), wb = expf(lb - mx);  // exp(-inf) = 0: that side drops out
-      r = (wa * load_float(out_a[i]) + wb * load_float(out_b[i])) / (wa + wb);
+    if (mx == -INFINITY) {
+      out[i] = store_float<T>(0.f);
+    } else if (la == -INFINITY || lb == -INFINITY) {
+      out[i] = la == -INFINITY ? out_b[i] : out_a[i];  // the other side, bit for bit
+    } else {
+      const float wa = expf(la - mx), wb = expf(lb - mx);
+      out[i] = store_float<T>((wa * load_float(out_a[i]) + wb * load_float(out_b[i])) / (wa + wb));
     }
-    out[i] = store_float<T>(r);
   }
 }
 
@@ -598,10 +608,11 @@ std::size_t paged_decode_attention_workspace_size(exec::Cuda, const PagedKVView<
 /// num_qo_heads / sm_scale, null q / out, page_subset without page_subset_indptr or the
 /// reverse, k_channels / v_channels with q_dim <= 0, scores with scores_stride < 0, a
 /// small workspace, a null ex.status). On the device, recorded in *ex.status: every
-/// sequence's page table (as gather_tokens), page subsets (kOutOfRange: indptr not
-/// monotone, an entry not strictly ascending in [0, num_pages(b))), channel ids outside
-/// [0, q_dim) (kOutOfRange), seq_len(b) > scores_stride (kInvalidArgument). On any error
-/// nothing is written (out, lse, scores).
+/// sequence's page table (as gather_tokens); page subsets: indptr negative or not
+/// monotone or an entry outside [0, num_pages(b)) (kOutOfRange), an entry not above the
+/// previous one or a null page_subset under a non-empty range (kInvalidArgument); channel
+/// ids outside [0, q_dim) (kOutOfRange); seq_len(b) > scores_stride (kInvalidArgument).
+/// On any error nothing is written (out, lse, scores).
 template <class T>
 Status paged_decode_attention(exec::Cuda ex, PagedKVView<T> view,
                               const T* q,  // [batch, Hq, q_width] device
@@ -612,9 +623,9 @@ Status paged_decode_attention(exec::Cuda ex, PagedKVView<T> view,
   KVKIT_RETURN_IF_ERROR(detail::check_view(view, ex));
   KVKIT_RETURN_IF_ERROR(detail::check_decode_params(view, p));
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_decode_dims(view.head_dim, view.v_head_dim));
-  KVKIT_CHECK_STATUS((p.page_subset_indptr == nullptr) == (p.page_subset == nullptr),
+  KVKIT_CHECK_STATUS(p.page_subset == nullptr || p.page_subset_indptr != nullptr,
                      StatusCode::kInvalidArgument,
-                     "page_subset and page_subset_indptr must be given together");
+                     "page_subset is set but page_subset_indptr is null");
   const bool channels = p.k_channels != nullptr || p.v_channels != nullptr;
   KVKIT_CHECK_STATUS(!channels || p.q_dim > 0, StatusCode::kInvalidArgument, "q_dim ", p.q_dim,
                      " must be > 0 with k_channels / v_channels");
@@ -689,8 +700,9 @@ Status paged_decode_attention(exec::Cuda ex, PagedKVView<T> view,
 /// and a full-width recent window): out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a +
 /// e^lse_b), computed with the larger lse subtracted; lse = log(e^lse_a + e^lse_b). A
 /// side with lse -inf (nothing read) drops out; both -inf give out = 0, lse = -inf.
-/// out may alias out_a or out_b and lse may alias lse_a or lse_b. Reads no index, so it
-/// needs no DeviceStatus; kInvalidArgument for rows < 0, dim <= 0 or null inputs.
+/// A side with lse -inf is copied bit for bit. out may alias out_a or out_b and lse may
+/// alias lse_a or lse_b. Reads no index, so it needs no DeviceStatus; kInvalidArgument
+/// for rows < 0, dim < 0 or null inputs (as the CPU twin).
 template <class T>
 Status merge_attention_states(exec::Cuda ex,
                               const T* out_a,      // [rows, dim] device
@@ -701,17 +713,19 @@ Status merge_attention_states(exec::Cuda ex,
                               float* lse,          // [rows] device, or nullptr
                               std::int64_t rows, std::int32_t dim) {
   constexpr const char* kOp = "merge_attention_states";
-  KVKIT_CHECK_STATUS(rows >= 0, StatusCode::kInvalidArgument, "rows must be >= 0, got ", rows);
-  KVKIT_CHECK_STATUS(dim > 0, StatusCode::kInvalidArgument, "dim must be > 0, got ", dim);
+  KVKIT_CHECK_STATUS(rows >= 0 && dim >= 0, StatusCode::kInvalidArgument, kOp,
+                     " needs rows >= 0 and dim >= 0, got rows=", rows, " dim=", dim);
   if (rows == 0) return Status::ok();
   KVKIT_CHECK_STATUS(out_a != nullptr && lse_a != nullptr && out_b != nullptr &&
-                         lse_b != nullptr && out != nullptr,
+                         lse_b != nullptr && (out != nullptr || dim == 0),
                      StatusCode::kInvalidArgument, kOp, " got a null input or output");
   cudaStream_t stream = cuda_detail::stream_of(ex);
-  cuda_detail::merge_states_out_kernel<T>
-      <<<cuda_detail::grid_for(rows * dim), cuda_detail::kCopyThreads, 0, stream>>>(
-          out_a, lse_a, out_b, lse_b, out, rows, dim);
-  KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+  if (dim > 0) {
+    cuda_detail::merge_states_out_kernel<T>
+        <<<cuda_detail::grid_for(rows * dim), cuda_detail::kCopyThreads, 0, stream>>>(
+            out_a, lse_a, out_b, lse_b, out, rows, dim);
+    KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+  }
   if (lse != nullptr) {
     cuda_detail::merge_states_lse_kernel_t<>
         <<<cuda_detail::grid_for(rows), cuda_detail::kCopyThreads, 0, stream>>>(lse_a, lse_b, lse,

@@ -60,8 +60,11 @@ enum class DeviceCheck : std::int32_t {
   kDstIsSource,    // copy_pages: destination page `value` at `pos` is also a source
   kDstRepeated,    // copy_pages: destination page `value` at `pos` is repeated
   kSubsetIndptr,   // decode: page_subset_indptr of (`seq`, `head`): `value` -> `bound`
-  kSubsetEntry,    // decode: page_subset entry `value` at (`seq`, `head`, `pos`) not
-                   //   strictly ascending in [0, `bound`)
+  kSubsetEntry,    // decode: page_subset entry `value` at (`seq`, `head`, `pos`) outside
+                   //   [0, `bound`) pages
+  kSubsetOrder,    // decode: page_subset entry `value` at (`seq`, `head`, `pos`) not
+                   //   above the previous entry `bound`
+  kSubsetNull,     // decode: page_subset is null but (`seq`, `head`) has `value` entries
   kKChannel,       // decode: k_channels[`head`, `pos`] = `value` outside [0, `bound`)
   kVChannel,       // decode: v_channels[`head`, `pos`] = `value` outside [0, `bound`)
   kScoresStride,   // decode: seq_len `value` of `seq` > scores_stride `bound`
@@ -142,7 +145,14 @@ inline Status to_status(const DeviceStatus& s) {
                          s.value, " -> ", s.bound);
     case DeviceCheck::kSubsetEntry:
       return make_status(code, "page_subset entry ", s.value, " at position ", s.pos, at_seq,
-                         " head ", s.head, " is not strictly ascending in [0, ", s.bound, ")");
+                         " head ", s.head, " outside [0, ", s.bound, ") pages");
+    case DeviceCheck::kSubsetOrder:
+      return make_status(code, "page_subset entry ", s.value, " at position ", s.pos, at_seq,
+                         " head ", s.head, " is not above the previous entry ", s.bound,
+                         ": subsets must be strictly ascending");
+    case DeviceCheck::kSubsetNull:
+      return make_status(code, "page_subset is null but", at_seq, " head ", s.head, " has ",
+                         s.value, " entries");
     case DeviceCheck::kKChannel:
       return make_status(code, "k_channels entry ", s.value, " of head ", s.head, " channel ", s.pos,
                          " out of range [0, q_dim ", s.bound, ")");
