@@ -108,6 +108,7 @@ class Stream {
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
   exec::Cuda exec() const { return exec::Cuda{s_, status_}; }
+  cudaStream_t get() const { return s_; }
   /// Waits for the stream and surfaces kernel faults.
   void sync() const { KVKIT_CUDA_REQUIRE(cudaStreamSynchronize(s_)); }
   /// Synchronises, then reads the device status.
@@ -1122,4 +1123,74 @@ TEMPLATE_TEST_CASE("cuda parity: copy_pages", "[cuda][copy_pages]", float, half_
     run(src, with(dst, 3, pages[1][0]), std::to_string(pages[1][0]));
     run(src, with(dst, 4, dst[0]), std::to_string(dst[0]));
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// CUDA graphs: the launchers never synchronise or allocate, so a whole step captures.
+
+TEMPLATE_TEST_CASE("cuda: a step of operations captures into a CUDA graph", "[cuda][graph]", float,
+                   half_t) {
+  using T = TestType;
+  KVKIT_REQUIRE_GPU();
+  KVKIT_TEST_RNG(rng);
+  KVPool<T> host(kPacked, 2, 64, 16, {300, 40}, rng, 6);
+  DevicePool<T> eager(host), graphed(host);
+  const std::int32_t hkv = 2, dim = 64, hq = 8, n = 2;
+  const std::size_t rows = static_cast<std::size_t>(host.batch_size()) * hq;
+  const std::int32_t ps = 16;
+  const auto& free_pages = host.base.free_pages;
+  const std::vector<std::int64_t> slots = {static_cast<std::int64_t>(free_pages[0]) * ps + 1,
+                                           static_cast<std::int64_t>(free_pages[1]) * ps + 7};
+  const std::vector<std::int32_t> src = {host.base.pages[0][2]}, dst = {free_pages[2]};
+  DeviceBuffer<T> key(test::random_vector<T>(static_cast<std::size_t>(n * hkv * dim), rng));
+  DeviceBuffer<T> value(test::random_vector<T>(static_cast<std::size_t>(n * hkv * dim), rng));
+  DeviceBuffer<std::int64_t> dslots(slots);
+  DeviceBuffer<std::int32_t> dsrc(src), ddst(dst);
+  DeviceBuffer<T> q(test::random_vector<T>(rows * dim, rng));
+  DeviceBuffer<T> out_b(test::random_vector<T>(rows * dim, rng));
+  DeviceBuffer<float> lse_b(test::random_vector<float>(rows, rng, -3.f, 3.f));
+  const DecodeAttentionParams p{hq, 0.125f};
+  struct Outputs {
+    explicit Outputs(std::size_t r) : out(r * 64), merged(r * 64), lse(r), merged_lse(r) {}
+    DeviceBuffer<T> out, merged;
+    DeviceBuffer<float> lse, merged_lse;
+  };
+  Outputs eager_out(rows), graph_out(rows);
+  DeviceBuffer<unsigned char> ws(paged_decode_attention_workspace_size(exec::Cuda{}, eager.view, p) +
+                                 copy_pages_workspace_size(exec::Cuda{}, eager.view));
+  REQUIRE(paged_decode_attention_workspace_size(exec::Cuda{}, eager.view, p) > 0);  // split-K runs
+  auto step = [&](exec::Cuda ex, const DevicePool<T>& d, Outputs& o) -> Status {
+    KVKIT_RETURN_IF_ERROR(reset_device_status(ex));
+    KVKIT_RETURN_IF_ERROR(write_kv(ex, d.view, key.get(), value.get(), dslots.get(), n, hkv * dim));
+    KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, d.view, q.get(), o.out.get(), p,
+                                                 Workspace{ws.get(), ws.size()}, o.lse.get()));
+    KVKIT_RETURN_IF_ERROR(copy_pages(ex, d.view, dsrc.get(), ddst.get(), 1,
+                                     Workspace{ws.get(), ws.size()}));
+    return merge_attention_states(ex, o.out.get(), o.lse.get(), out_b.get(), lse_b.get(),
+                                  o.merged.get(), o.merged_lse.get(), static_cast<std::int64_t>(rows),
+                                  dim);
+  };
+  Stream s1, s2;
+  KVKIT_REQUIRE_OK(step(s1.exec(), eager, eager_out));
+  KVKIT_REQUIRE_OK(s1.status());
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t instance = nullptr;
+  // Global mode: any synchronising or allocating call inside the step fails the capture.
+  KVKIT_CUDA_REQUIRE(cudaStreamBeginCapture(s2.get(), cudaStreamCaptureModeGlobal));
+  const Status captured = step(s2.exec(), graphed, graph_out);
+  KVKIT_CUDA_REQUIRE(cudaStreamEndCapture(s2.get(), &graph));
+  KVKIT_REQUIRE_OK(captured);
+  KVKIT_CUDA_REQUIRE(cudaGraphInstantiate(&instance, graph, 0));
+  KVKIT_CUDA_REQUIRE(cudaGraphLaunch(instance, s2.get()));
+  const Status replayed = s2.status();
+  (void)cudaGraphExecDestroy(instance);
+  (void)cudaGraphDestroy(graph);
+  KVKIT_REQUIRE_OK(replayed);
+  CHECK(test::bitwise_equal(graphed.k.download(), eager.k.download()));
+  CHECK(test::bitwise_equal(graphed.v.download(), eager.v.download()));
+  CHECK(test::bitwise_equal(graph_out.out.download(), eager_out.out.download()));
+  CHECK(test::bitwise_equal(graph_out.merged.download(), eager_out.merged.download()));
+  CHECK(test::bitwise_equal(graph_out.lse.download(), eager_out.lse.download()));
+  CHECK(test::bitwise_equal(graph_out.merged_lse.download(), eager_out.merged_lse.download()));
 }
