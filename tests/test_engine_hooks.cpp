@@ -606,3 +606,38 @@ TEST_CASE("truncating into a shared page copies it on the next write, not before
   CHECK(eng.kv_len(f) == 12);
   CHECK(eng.position(f) == 16);
 }
+
+TEST_CASE("reclaim may preempt a sequence in step() but not change a forward_tokens batch",
+          "[engine][hooks][reclaim]") {
+  EngineOptions o = small_pages();
+  o.num_pages = 4;
+  o.shuffle_seed = 0;
+  const auto ref = clean_logits(o, {kBosToken, 70}, 9);
+  for (const bool forced : {false, true}) {
+    INFO((forced ? "forward_tokens" : "step"));
+    Engine eng(synthetic(), o);
+    const SeqId a = eng.add_sequence({kBosToken, 70});
+    const SeqId b = eng.add_sequence({kBosToken, 71});
+    for (int s = 0; s < 8; ++s) eng.step();  // 2 pages each: pool full
+    int calls = 0;
+    eng.set_reclaim([&](std::int32_t need) {
+      ++calls;
+      CHECK(need == 2);
+      CHECK_THROWS_WITH(eng.step(), Catch::Contains("inside a step"));
+      eng.free_sequence(b);  // preempt b
+      return 2;
+    });
+    if (!forced) {
+      eng.step();
+      CHECK(eng.last_logits(a) == ref[8]);
+    } else {
+      const Status st = eng.try_forward_tokens({5, 6});
+      CHECK(st.code() == StatusCode::kInvalidArgument);
+      CHECK(st.message().find("changed the batch") != std::string::npos);
+      CHECK(eng.position(a) == 8);
+      CHECK(eng.kv_len(a) == 8);
+    }
+    CHECK(calls == 1);
+    CHECK_FALSE(eng.has_sequence(b));
+  }
+}
