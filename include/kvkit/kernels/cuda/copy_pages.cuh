@@ -52,6 +52,23 @@ __global__ void copy_pages_clash_kernel(const std::int32_t* __restrict__ dst_pag
   }
 }
 
+// Item i of a page of (page_size x heads) rows of `vecs` vectors, in the pool's memory
+// order (NHD: slot-major, HND: head-major) so consecutive threads touch consecutive
+// addresses in either layout.
+KVKIT_DEVICE void page_item(KVLayout layout, std::int32_t i, std::int32_t page_size,
+                            std::int32_t heads, std::int32_t vecs, std::int32_t& slot,
+                            std::int32_t& h, std::int32_t& vec) {
+  const std::int32_t row = i / vecs;
+  vec = i - row * vecs;
+  if (layout == KVLayout::kNHD) {
+    slot = row / heads;
+    h = row - slot * heads;
+  } else {
+    h = row / page_size;
+    slot = row - h * page_size;
+  }
+}
+
 // Block x walks pairs blockIdx.x, blockIdx.x + gridDim.x, ...; its threads copy the
 // (token, head, vector) items of the K pool, then of the V pool (rows of v_head_dim).
 // Only addressed elements are touched, so padded strides (other layers, interleaved
@@ -74,20 +91,15 @@ __global__ void copy_pages_kernel(PagedKVView<T> view,
     if (src < 0 || src >= view.num_pages_total || dst < 0 || dst >= view.num_pages_total) continue;
     for (std::int32_t i = threadIdx.x; i < per_page; i += blockDim.x) {
       if (i < k_items) {
-        const std::int32_t slot = i / k_per_token;
-        const std::int32_t rem = i - slot * k_per_token;
-        const std::int32_t h = rem / kvecs;
-        const std::int32_t d = (rem - h * kvecs) * VEC;
-        copy_vec<T, VEC>(view.k_data + view.k_offset(dst, slot, h) + d,
-                         view.k_data + view.k_offset(src, slot, h) + d);
+        std::int32_t slot, h, d;
+        page_item(view.k_layout, i, view.page_size, view.num_kv_heads, kvecs, slot, h, d);
+        copy_vec<T, VEC>(view.k_data + view.k_offset(dst, slot, h) + d * VEC,
+                         view.k_data + view.k_offset(src, slot, h) + d * VEC);
       } else {
-        const std::int32_t j = i - k_items;
-        const std::int32_t slot = j / v_per_token;
-        const std::int32_t rem = j - slot * v_per_token;
-        const std::int32_t h = rem / vvecs;
-        const std::int32_t d = (rem - h * vvecs) * VEC;
-        copy_vec<T, VEC>(view.v_data + view.v_offset(dst, slot, h) + d,
-                         view.v_data + view.v_offset(src, slot, h) + d);
+        std::int32_t slot, h, d;
+        page_item(view.v_layout, i - k_items, view.page_size, view.num_kv_heads, vvecs, slot, h, d);
+        copy_vec<T, VEC>(view.v_data + view.v_offset(dst, slot, h) + d * VEC,
+                         view.v_data + view.v_offset(src, slot, h) + d * VEC);
       }
     }
   }
