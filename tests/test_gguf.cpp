@@ -7,6 +7,8 @@
 // otherwise): its dequantized blocks against an independent float64 decode, its logits
 // against a float64 forward pass, and its greedy answer to a ChatML prompt.
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
@@ -659,6 +661,24 @@ TEST_CASE("bad GGUF files are clear errors", "[gguf]") {
   CHECK_THAT(error_of(with(good, 8, &huge, 8), false), Catch::Contains("tensor infos cannot fit"));
   CHECK_THAT(error_of(with(good, 16, &huge, 8), false), Catch::Contains("metadata entries cannot fit"));
   CHECK_THROWS_WITH(GgufFile::open("/nonexistent/kvkit.gguf"), Catch::Contains("cannot open gguf file '/nonexistent/kvkit.gguf'"));
+  {  // the same problems through files on disk (GgufFile::open maps or reads them)
+    const fs::path dir = fs::temp_directory_path() / ("kvkit_test_gguf_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    auto write = [&](const std::string& name, const std::vector<unsigned char>& bytes) {
+      const std::string path = (dir / name).string();
+      std::ofstream(path, std::ios::binary)
+          .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      return path;
+    };
+    CHECK(GgufFile::open(write("good.gguf", good)).tensors().size() == 20);
+    CHECK_THROWS_WITH(GgufFile::open(write("cut.gguf", std::vector<unsigned char>(good.begin(), good.end() - 100))),
+                      Catch::Contains("lies past the end of the file"));
+    CHECK_THROWS_WITH(GgufFile::open(write("empty.gguf", {})), Catch::Contains("truncated file"));
+    CHECK_THROWS_WITH(GgufFile::open(write("magic.gguf", with(good, 0, "GGML", 4))), Catch::Contains("bad magic 'GGML'"));
+    CHECK(throws_kvkit_error([&] { (void)GgufFile::open(dir.string()); }));  // a directory
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
 
   {  // an array count beyond the file
     GgufBuilder b;

@@ -27,14 +27,19 @@
 #include <utility>
 #include <vector>
 
+// KVKIT_GGUF_MMAP: 1 maps files (POSIX), 0 reads them into memory; define it to choose.
+#ifndef KVKIT_GGUF_MMAP
 #if defined(__unix__) || defined(__APPLE__)
+#define KVKIT_GGUF_MMAP 1
+#else
+#define KVKIT_GGUF_MMAP 0
+#endif
+#endif
+#if KVKIT_GGUF_MMAP
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#define KVKIT_GGUF_MMAP 1
-#else
-#define KVKIT_GGUF_MMAP 0
 #endif
 
 #include "kvkit/core/dtype.hpp"
@@ -441,7 +446,7 @@ class GgufFile {
     const std::uint64_t size = static_cast<std::uint64_t>(st.st_size);
     if (size == 0) {
       ::close(fd);
-      fail("kvkit: gguf '", path, "' is empty (0 bytes)");
+      fail("kvkit: gguf '", path, "': truncated file: the file is empty (0 bytes)");
     }
     void* m = ::mmap(nullptr, static_cast<std::size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
     ::close(fd);

@@ -15,6 +15,7 @@
 // that GGUF llama rotates adjacent pairs (2i, 2i+1) of each head, which is what Model does.
 // Partial rotary (rope.dimension_count != head_dim) is rejected.
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
