@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
@@ -300,9 +301,43 @@ TEST_CASE("copy_pages clash check: windowed and sorted agree with brute force",
       require_same(detail::cpu::find_copy_clash_windowed(src.data(), dst.data(), n, &passes),
                    want);
       require_same(sorted_clash(src, dst), want);
+      require_same(detail::cpu::find_copy_clash_selected(src.data(), dst.data(), n), want);
+      require_same(detail::cpu::find_copy_clash_no_scratch(src.data(), dst.data(), n, range),
+                   want);
       REQUIRE(passes >= 1);
       REQUIRE(passes <= 2 * n + 1);
     }
+  }
+}
+
+TEST_CASE("copy_pages clash check: selection passes carry an id across pass boundaries",
+          "[copy_pages][parallel]") {
+  // 7 source pages feed 10000 copies, so each source id has ~1430 entries and the
+  // 4096-entry selection passes split ids; clashes planted inside split ids are found.
+  KVKIT_TEST_RNG(rng);
+  const std::int32_t n = 10000;
+  std::vector<std::int32_t> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+  for (std::int32_t i = 0; i < n; ++i) {
+    src[static_cast<std::size_t>(i)] = 1000 + i % 7;
+    dst[static_cast<std::size_t>(i)] = 2000 + i;
+  }
+  std::shuffle(dst.begin(), dst.end(), rng);
+  for (int plant = 0; plant < 4; ++plant) {
+    CAPTURE(plant);
+    std::vector<std::int32_t> d = dst;
+    if (plant == 1) d[n - 1] = 1003;       // a source id split across passes
+    if (plant == 2) d[4321] = d[17];       // repeated destination
+    if (plant == 3) {                      // both: the earlier position wins
+      d[9000] = 1001;
+      d[8000] = d[100];
+    }
+    std::int64_t passes = 0;
+    const detail::cpu::CopyClash got =
+        detail::cpu::find_copy_clash_selected(src.data(), d.data(), n, &passes);
+    REQUIRE(passes == (2 * n + detail::cpu::kCopyPagesSelectEntries - 1) /
+                          detail::cpu::kCopyPagesSelectEntries);
+    require_same(got, ref_clash(src, d));
+    require_same(detail::cpu::find_copy_clash_windowed(src.data(), d.data(), n), got);
   }
 }
 
@@ -328,6 +363,22 @@ TEST_CASE("copy_pages clash check stays linear above 131072 pages", "[copy_pages
     REQUIRE_FALSE(c.repeated);
     require_same(sorted_clash(src, dst), c);
   }
+  // Ids spread over the whole int32 range: the no-scratch check switches to selection
+  // passes, whose count depends on n only (not on the 16384 windows of the range).
+  std::vector<std::int32_t> src(static_cast<std::size_t>(n)), dst(static_cast<std::size_t>(n));
+  for (std::int32_t i = 0; i < n; ++i) {
+    src[static_cast<std::size_t>(i)] = i * 17881;  // distinct, up to 2^31 - 1.8e6
+    dst[static_cast<std::size_t>(i)] = (n + i) * 17881;
+  }
+  std::int64_t passes = 0;
+  REQUIRE(detail::cpu::find_copy_clash_selected(src.data(), dst.data(), n, &passes).position == -1);
+  REQUIRE(passes == (2 * n + detail::cpu::kCopyPagesSelectEntries - 1) /
+                        detail::cpu::kCopyPagesSelectEntries);
+  dst[n / 2] = src[n - 1];
+  const detail::cpu::CopyClash c = detail::cpu::find_copy_clash_no_scratch(
+      src.data(), dst.data(), n, std::numeric_limits<std::int32_t>::max());
+  REQUIRE(c.position == n / 2);
+  REQUIRE_FALSE(c.repeated);
 }
 
 TEST_CASE("copy_pages on pools past the bitset window, with and without workspace",

@@ -25,7 +25,8 @@ namespace cpu {
 inline constexpr std::int32_t kCopyPagesBitsetPages = 1 << 17;
 
 /// Above this many windows (pools over 2^21 pages) copy_pages with a workspace sorts the
-/// ids instead (O(n log n) whatever the pool size); without one it keeps windowing.
+/// ids instead (O(n log n) whatever the pool size); without one see
+/// find_copy_clash_no_scratch.
 inline constexpr std::int64_t kCopyPagesMaxWindows = 16;
 
 /// The first destination position that breaks copy_pages' rules (-1: none), and whether
@@ -83,6 +84,101 @@ inline CopyClash find_copy_clash_windowed(const std::int32_t* src,  // [n]
   }
   if (passes != nullptr) *passes = count;
   return best;
+}
+
+/// Entries find_copy_clash_selected keeps on the stack per pass (32 KiB).
+inline constexpr std::int32_t kCopyPagesSelectEntries = 4096;
+
+/// Same answer as find_copy_clash_windowed with no scratch beyond 32 KiB of stack and a
+/// cost independent of the ids' range: every source and destination is an entry keyed
+/// (id << 32 | position << 1 | is_destination), and each pass selects the next
+/// kCopyPagesSelectEntries keys in order with a bounded max-heap, then walks them sorted,
+/// carrying the current id's state across passes. ceil(2n / 4096) passes of O(n log 4096):
+/// one sort for n <= 2048, O(n^2 / 2048) beyond. `passes` (optional) receives the count.
+inline CopyClash find_copy_clash_selected(const std::int32_t* src,  // [n]
+                                          const std::int32_t* dst,  // [n]
+                                          std::int32_t n, std::int64_t* passes = nullptr) {
+  constexpr std::int32_t kCap = kCopyPagesSelectEntries;
+  std::uint64_t heap[kCap];
+  auto key = [](std::int32_t id, std::int32_t pos, bool is_dst) {
+    return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(id)) << 32) |
+           (static_cast<std::uint64_t>(static_cast<std::uint32_t>(pos)) << 1) |
+           static_cast<std::uint64_t>(is_dst);
+  };
+  CopyClash best;
+  // State of the id being walked (its entries may span two passes).
+  std::int64_t cur_id = -1;
+  bool cur_src = false;
+  std::int32_t cur_dsts = 0, first_dst = -1, second_dst = -1;
+  auto close_id = [&] {
+    CopyClash c;
+    if (cur_src && cur_dsts > 0)
+      c = CopyClash{first_dst, false};
+    else if (cur_dsts >= 2)
+      c = CopyClash{second_dst, true};
+    if (c.position >= 0 && (best.position < 0 || c.position < best.position)) best = c;
+  };
+  bool have_last = false;
+  std::uint64_t last = 0;  // largest key walked so far
+  std::int64_t count = 0;
+  const std::int64_t total = 2 * static_cast<std::int64_t>(n);
+  for (std::int64_t walked = 0; walked < total;) {
+    ++count;
+    std::int32_t size = 0;
+    auto offer = [&](std::uint64_t k) {
+      if (have_last && k <= last) return;
+      if (size < kCap) {
+        heap[size++] = k;
+        std::push_heap(heap, heap + size);
+      } else if (k < heap[0]) {
+        std::pop_heap(heap, heap + size);
+        heap[size - 1] = k;
+        std::push_heap(heap, heap + size);
+      }
+    };
+    for (std::int32_t i = 0; i < n; ++i) offer(key(src[i], i, false));
+    for (std::int32_t i = 0; i < n; ++i) offer(key(dst[i], i, true));
+    std::sort_heap(heap, heap + size);
+    for (std::int32_t e = 0; e < size; ++e) {
+      const std::uint64_t k = heap[e];
+      const auto id = static_cast<std::int64_t>(k >> 32);
+      const auto pos = static_cast<std::int32_t>((k >> 1) & 0x7fffffffu);
+      if (id != cur_id) {
+        close_id();
+        cur_id = id;
+        cur_src = false;
+        cur_dsts = 0;
+        first_dst = second_dst = -1;
+      }
+      if ((k & 1u) == 0) {
+        cur_src = true;
+      } else {
+        if (cur_dsts == 0) first_dst = pos;
+        if (cur_dsts == 1) second_dst = pos;
+        ++cur_dsts;
+      }
+    }
+    walked += size;
+    last = heap[size - 1];
+    have_last = true;
+  }
+  close_id();
+  if (passes != nullptr) *passes = count;
+  return best;
+}
+
+/// The allocation-free check copy_pages runs without a (big enough) workspace: windows of
+/// page ids when the pool spans few of them, else selection passes (a selection pass
+/// costs about 4 window passes, measured): O(n * min(num_pages / 131072 + 1, n / 512 + 1)).
+inline CopyClash find_copy_clash_no_scratch(const std::int32_t* src,  // [n]
+                                            const std::int32_t* dst,  // [n]
+                                            std::int32_t n, std::int32_t num_pages) {
+  const std::int64_t windows =
+      (static_cast<std::int64_t>(num_pages) + kCopyPagesBitsetPages - 1) / kCopyPagesBitsetPages;
+  const std::int64_t selections =
+      (2 * static_cast<std::int64_t>(n) + kCopyPagesSelectEntries - 1) / kCopyPagesSelectEntries;
+  return windows <= 4 * selections ? find_copy_clash_windowed(src, dst, n)
+                               : find_copy_clash_selected(src, dst, n);
 }
 
 /// Same answer as find_copy_clash_windowed in O(n log n) whatever the ids' range, using
@@ -175,10 +271,12 @@ std::size_t copy_pages_workspace_size(exec::Host, const PagedKVView<T>& view, st
 /// on order or threads). Ids must be in [0, view.num_pages_total). Returns
 /// kInvalidArgument naming the first offending position and id; nothing is copied when a
 /// check fails. Dense pages are copied with one memcpy each, strided ones row by row.
-/// The clash check needs no scratch: it is one linear pass over the ids for pools up to
-/// 131072 pages, and one pass per 131072-page window of ids in use above that. `ws` is
-/// optional: with copy_pages_workspace_size(ex, view, n) bytes (non-zero only for pools
-/// over 2^21 pages) the check sorts the ids instead, O(n log n) at any pool size; a
+/// The clash check needs no scratch: one linear pass over the ids for pools up to 131072
+/// pages; above that, allocation-free passes over the pool's 131072-page windows or, when
+/// there are many (huge pools), ceil(2n / 4096) selection passes (O(n log n) for n <= 2048
+/// at any pool size; see find_copy_clash_no_scratch).
+/// `ws` is optional: with copy_pages_workspace_size(ex, view, n) bytes (non-zero only for
+/// pools over 2^21 pages) the check sorts the ids instead, O(n log n) at any size; a
 /// smaller workspace is simply not used. The verdict and message are the same either way.
 template <class T>
 Status copy_pages(exec::Host ex, PagedKVView<T> view,
@@ -207,7 +305,7 @@ Status copy_pages(exec::Host ex, PagedKVView<T> view,
     std::uint64_t* dst_keys = carve.take<std::uint64_t>(static_cast<std::size_t>(n));
     clash = detail::cpu::find_copy_clash_sorted(src_pages, dst_pages, n, src_sorted, dst_keys);
   } else {
-    clash = detail::cpu::find_copy_clash_windowed(src_pages, dst_pages, n);
+    clash = detail::cpu::find_copy_clash_no_scratch(src_pages, dst_pages, n, np);
   }
   KVKIT_CHECK_STATUS(clash.position < 0, StatusCode::kInvalidArgument, "destination page id ",
                      dst_pages[clash.position < 0 ? 0 : clash.position], " at position ",
