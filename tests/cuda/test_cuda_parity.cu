@@ -307,7 +307,7 @@ TEMPLATE_TEST_CASE("cuda: argument checks come before any CUDA call", "[cuda][er
     const DecodeAttentionParams p{4, 0.25f};
     // One sequence per kv head pair would split; give the workspace it asks for.
     std::vector<unsigned char> ws(paged_decode_attention_workspace_size(no_status, dv, p) +
-                                  copy_pages_workspace_size(no_status, dv) +
+                                  copy_pages_workspace_size(no_status, dv, 1) +
                                   compact_tokens_workspace_size(no_status, dv, 4) + 1024);
     const Workspace w{ws.data(), ws.size()};
     const Status st[] = {
@@ -401,7 +401,7 @@ TEMPLATE_TEST_CASE("cuda: argument checks come before any CUDA call", "[cuda][er
     REQUIRE(cneed > 0);
     expect(compact_tokens(cu, v1, idx.data(), idx.data(), 4, Workspace{buf.data(), cneed / 2}),
            StatusCode::kInvalidArgument, std::to_string(cneed));
-    const std::size_t pneed = copy_pages_workspace_size(cu, v1);
+    const std::size_t pneed = copy_pages_workspace_size(cu, v1, 1);
     REQUIRE(pneed > 0);
     expect(copy_pages(cu, v1, idx.data(), idx.data(), 1, Workspace{buf.data(), pneed - 1}),
            StatusCode::kInvalidArgument, std::to_string(pneed));
@@ -1094,7 +1094,7 @@ TEMPLATE_TEST_CASE("cuda parity: copy_pages", "[cuda][copy_pages]", float, half_
     const std::vector<std::int32_t> src = {pages[0][1], pages[1][0], pages[0][4], pages[1][2],
                                            pages[0][1]};
     const std::vector<std::int32_t> dst(free_pages.begin(), free_pages.begin() + 5);
-    DeviceBuffer<unsigned char> dws(copy_pages_workspace_size(stream.exec(), dev.view));
+    DeviceBuffer<unsigned char> dws(copy_pages_workspace_size(stream.exec(), dev.view, 5));
     const Workspace ws{dws.get(), dws.size()};
     auto run = [&](std::vector<std::int32_t> s, std::vector<std::int32_t> d, const std::string& value) {
       stream.reset();
@@ -1157,7 +1157,7 @@ TEMPLATE_TEST_CASE("cuda: a step of operations captures into a CUDA graph", "[cu
   };
   Outputs eager_out(rows), graph_out(rows);
   DeviceBuffer<unsigned char> ws(paged_decode_attention_workspace_size(exec::Cuda{}, eager.view, p) +
-                                 copy_pages_workspace_size(exec::Cuda{}, eager.view));
+                                 copy_pages_workspace_size(exec::Cuda{}, eager.view, 1));
   REQUIRE(paged_decode_attention_workspace_size(exec::Cuda{}, eager.view, p) > 0);  // split-K runs
   auto step = [&](exec::Cuda ex, const DevicePool<T>& d, Outputs& o) -> Status {
     KVKIT_RETURN_IF_ERROR(reset_device_status(ex));

@@ -107,11 +107,12 @@ __global__ void copy_pages_kernel(PagedKVView<T> view,
 
 }  // namespace cuda_detail
 
-/// Bytes of scratch copy_pages needs on CUDA: one mark word per pool page, for the O(n)
-/// device-side check that no destination is a source or repeated.
+/// Bytes of scratch copy_pages needs on CUDA for n pairs: one mark word per pool page,
+/// for the O(n) device-side check that no destination is a source or repeated (0 when
+/// n <= 0). Same signature as the CPU twin's, whose needs differ.
 template <class T>
-std::size_t copy_pages_workspace_size(exec::Cuda, const PagedKVView<T>& view) {
-  if (view.num_pages_total <= 0) return 0;
+std::size_t copy_pages_workspace_size(exec::Cuda, const PagedKVView<T>& view, std::int32_t n) {
+  if (n <= 0 || view.num_pages_total <= 0) return 0;
   return WorkspaceSizer().add<unsigned>(static_cast<std::size_t>(view.num_pages_total)).bytes();
 }
 
@@ -123,8 +124,8 @@ std::size_t copy_pages_workspace_size(exec::Cuda, const PagedKVView<T>& view) {
 /// null arrays, a workspace smaller than copy_pages_workspace_size, a null ex.status). On
 /// the device, recorded in *ex.status as kInvalidArgument: an id outside [0, num_pages),
 /// a destination that is also a source, a repeated destination. On any error nothing is
-/// copied. `ws` (device scratch, copy_pages_workspace_size bytes) holds the page marks;
-/// it is cleared with cudaMemsetAsync on the stream. Unlike the CPU twin, CUDA needs it.
+/// copied. `ws` (device scratch, copy_pages_workspace_size(ex, view, n) bytes, always
+/// > 0 on CUDA) holds the page marks; it is cleared with cudaMemsetAsync on the stream.
 template <class T>
 Status copy_pages(exec::Cuda ex, PagedKVView<T> view,
                   const std::int32_t* src_pages,  // [n] device
@@ -140,7 +141,7 @@ Status copy_pages(exec::Cuda ex, PagedKVView<T> view,
                                   (static_cast<std::int64_t>(view.head_dim) + view.v_head_dim);
   KVKIT_CHECK_STATUS(page_elems <= INT32_MAX, StatusCode::kUnsupported, "page of ", page_elems,
                      " K+V elements is too large for copy_pages");
-  const std::size_t need = copy_pages_workspace_size(ex, view);
+  const std::size_t need = copy_pages_workspace_size(ex, view, n);
   KVKIT_CHECK_STATUS(ws.data != nullptr && ws.bytes >= need, StatusCode::kInvalidArgument,
                      "copy_pages workspace has ", ws.bytes, " bytes, needs ", need);
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, kOp));
