@@ -271,6 +271,33 @@ TEMPLATE_TEST_CASE("paged_decode_attention matches float64 on every layout and w
           }
 }
 
+TEST_CASE("paged_decode_attention is bitwise identical for 1 to 5 threads", "[cpu][attention]") {
+  // Hkv 8 and one sequence: the kernel groups NHD heads differently per thread count and
+  // cuts the sequence into chunks; neither may change a bit of the output.
+  KVKIT_TEST_RNG(rng);
+  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
+    for (std::int32_t len : {1, 700, 3000}) {
+      CAPTURE(to_string(layout), len);
+      Spec sp;
+      sp.hkv = 8;
+      sp.kdim = sp.vdim = 32;
+      sp.page_size = 16;
+      sp.k_layout = sp.v_layout = layout;
+      sp.lens = {len};
+      Pool<half_t> pool(sp, rng);
+      std::vector<half_t> q = random_vector<half_t>(16 * 32, rng, -3.f, 3.f);
+      const DecodeAttentionParams p{16, 0.2f};
+      check(pool.view, q, p, rng);
+      const Run<half_t> one = run(pool.view, q, p, 1, rng);
+      for (int threads : {2, 4, 5}) {
+        const Run<half_t> many = run(pool.view, q, p, threads, rng);
+        REQUIRE(many.status.is_ok());
+        REQUIRE(bitwise_equal(one.out, many.out));
+        REQUIRE(bitwise_equal(one.lse, many.lse));
+      }
+    }
+}
+
 TEMPLATE_TEST_CASE("paged_decode_attention variants: page subset, channels, scores, combined",
                    "[cpu][attention][variants]", float, half_t, bfloat16_t) {
   using T = TestType;
