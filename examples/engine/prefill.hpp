@@ -1,0 +1,291 @@
+#pragma once
+// Batched prefill: the llama forward pass over T prompt tokens of ONE sequence in one pass
+// per layer, instead of T engine steps.
+//
+// Per layer the projections are matrix-matrix products over the T tokens (Eigen GEMMs,
+// columns split over the engine's threads), the T new K/V rows go into the sequence's pages
+// with one kvkit::write_kv, and attention is causal through kvkit's paged decode kernel:
+// one view whose batch rows are the T query tokens of the same sequence, row i listing the
+// sequence's pages up to cached token start+i (rows share pages; the kernel only reads).
+// Long prompts run in chunks of `chunk` tokens, each chunk attending to the cache the
+// earlier chunks wrote. RMSNorm, RoPE and SwiGLU are Model's formulas, so the result equals
+// token-by-token teacher forcing up to float rounding (GEMM vs matrix-vector order).
+//
+// Engine integration without touching the engine's private state: prefill_sequence()
+// takes the pages of a sequence whose prompt is still pending, frees the sequence (the
+// pages stay retained), runs the batched pass over all pending prompt tokens but the last,
+// and re-adds the sequence with add_sequence(tokens, pages, cached_len, position); the
+// last prompt token stays pending, so the next step() produces its logits and the first
+// generated token as usual. The sequence gets a NEW id (ids only increase).
+// extend_sequence() appends tokens (a new chat turn) to a live sequence the same way.
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "engine/engine.hpp"
+#include "engine/model.hpp"
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/kernels/cpu.hpp"
+#include "kvkit/kernels/cpu/parallel.hpp"
+
+namespace kvkit {
+namespace engine {
+
+/// Scratch of batched prefill, reusable across calls (grows to the largest chunk).
+class Prefiller {
+ public:
+  /// Tokens per pass; longer inputs run in several chunks (bounds the scratch memory and
+  /// the page-table size of the attention view).
+  static constexpr std::int32_t kDefaultChunk = 512;
+
+  explicit Prefiller(std::int32_t chunk = kDefaultChunk) : chunk_(chunk) {
+    KVKIT_CHECK(chunk > 0, "kvkit: prefill chunk must be > 0, got ", chunk);
+  }
+
+  /// Runs tokens[0, n) of one sequence through `eng`'s model: token i at RoPE position
+  /// pos_start + i, its K/V written at cache index cache_start + i of `pages` (the
+  /// sequence's page list, which must cover cache_start + n tokens, exclusively owned
+  /// from cache index cache_start on), attending to cache indices [0, cache_start + i].
+  /// Writes the last token's logits to `last_logits` [vocab] when not null. Returns the
+  /// first failing kernel's Status; throws kvkit::Error on bad arguments.
+  Status run(Engine& eng, const std::vector<std::int32_t>& pages, const std::int32_t* tokens /* [n] */,
+             std::int32_t n, std::int32_t cache_start, std::int32_t pos_start,
+             float* last_logits /* [vocab] or null */) {
+    const ModelConfig& c = eng.config();
+    const std::int32_t ps = eng.options().page_size;
+    KVKIT_CHECK(n >= 0 && cache_start >= 0 && pos_start >= 0, "kvkit: prefill of ", n,
+                " tokens at cache index ", cache_start, ", position ", pos_start);
+    KVKIT_CHECK(static_cast<std::int64_t>(pos_start) + n <= c.seq_len, "kvkit: prefill to position ",
+                static_cast<std::int64_t>(pos_start) + n, " exceeds the model's seq_len ", c.seq_len);
+    KVKIT_CHECK(static_cast<std::int64_t>(pages.size()) * ps >= static_cast<std::int64_t>(cache_start) + n,
+                "kvkit: prefill: ", pages.size(), " pages of ", ps, " tokens cannot hold ",
+                static_cast<std::int64_t>(cache_start) + n, " tokens");
+    for (std::int32_t i = 0; i < n; ++i)
+      KVKIT_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "kvkit: prefill token ", tokens[i],
+                  " outside the vocabulary [0, ", c.vocab_size, ")");
+    ensure_rope(c);
+    for (std::int32_t done = 0; done < n;) {
+      const std::int32_t m = std::min(chunk_, n - done);
+      const bool last = done + m == n;
+      KVKIT_RETURN_IF_ERROR(run_chunk(eng, pages, tokens + done, m, cache_start + done, pos_start + done,
+                                      last ? last_logits : nullptr));
+      done += m;
+    }
+    return Status::ok();
+  }
+
+ private:
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using W = Eigen::Map<const RowMat>;
+  using M = Eigen::Map<Eigen::MatrixXf>;
+
+  // y = w * x over the columns (tokens), split over the engine's threads.
+  static void gemm(exec::Host ex, const W& w, const M& x, M& y) {
+    kvkit::detail::parallel_for(ex, x.cols(), [&](std::int64_t b, std::int64_t e, int) {
+      y.middleCols(b, e - b).noalias() = w * x.middleCols(b, e - b);
+    });
+  }
+
+  static void rmsnorm(const M& x, const float* weight /* [dim] */, float eps, M& y) {
+    Eigen::Map<const Eigen::VectorXf> w(weight, x.rows());
+    for (Eigen::Index b = 0; b < x.cols(); ++b) {
+      const float ss = x.col(b).squaredNorm() / static_cast<float>(x.rows()) + eps;
+      y.col(b) = x.col(b).cwiseProduct(w) * (1.f / std::sqrt(ss));
+    }
+  }
+
+  // Model's RoPE table: pairs (2j, 2j+1) rotated by pos * theta^(-2j / head_dim).
+  void ensure_rope(const ModelConfig& c) {
+    const int half = c.head_dim() / 2;
+    if (rope_theta_ == c.rope_theta && rope_half_ == half &&
+        rope_cos_.size() == static_cast<std::size_t>(c.seq_len) * half)
+      return;
+    rope_cos_.resize(static_cast<std::size_t>(c.seq_len) * half);
+    rope_sin_.resize(rope_cos_.size());
+    for (int pos = 0; pos < c.seq_len; ++pos)
+      for (int j = 0; j < half; ++j) {
+        const double freq = std::pow(c.rope_theta, -2.0 * j / c.head_dim());
+        const double angle = pos * freq;
+        rope_cos_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::cos(angle));
+        rope_sin_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::sin(angle));
+      }
+    rope_theta_ = c.rope_theta;
+    rope_half_ = half;
+  }
+
+  void rope(float* vec /* [heads, head_dim] */, int heads, int hd, std::int32_t pos) const {
+    const int half = hd / 2;
+    const float* cs = rope_cos_.data() + static_cast<std::size_t>(pos) * half;
+    const float* sn = rope_sin_.data() + static_cast<std::size_t>(pos) * half;
+    for (int h = 0; h < heads; ++h) {
+      float* p = vec + static_cast<std::size_t>(h) * hd;
+      for (int j = 0; j < half; ++j) {
+        const float a = p[2 * j], b = p[2 * j + 1];
+        p[2 * j] = a * cs[j] - b * sn[j];
+        p[2 * j + 1] = a * sn[j] + b * cs[j];
+      }
+    }
+  }
+
+  Status run_chunk(Engine& eng, const std::vector<std::int32_t>& pages, const std::int32_t* tokens,
+                   std::int32_t n, std::int32_t cache_start, std::int32_t pos_start, float* last_logits) {
+    const ModelConfig& c = eng.config();
+    const Checkpoint& ck = eng.model().checkpoint();
+    const exec::Host ex = eng.model().exec();
+    const DecodeAttentionParams ap = eng.model().attention_params();
+    const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
+    const std::int32_t ps = eng.options().page_size;
+    const std::size_t N = static_cast<std::size_t>(n);
+    x_.resize(N * dim);
+    xb_.resize(N * dim);
+    att_.resize(N * dim);
+    q_.resize(N * dim);
+    k_.resize(N * kv);
+    v_.resize(N * kv);
+    h1_.resize(N * hid);
+    h3_.resize(N * hid);
+    M x(x_.data(), dim, n), xb(xb_.data(), dim, n), att(att_.data(), dim, n), q(q_.data(), dim, n);
+    M k(k_.data(), kv, n), v(v_.data(), kv, n), h1(h1_.data(), hid, n), h3(h3_.data(), hid, n);
+
+    // Slots of the new tokens and the causal page table: row i sees cache_start + i + 1 tokens.
+    slots_.resize(N);
+    indptr_.assign(1, 0);
+    indices_.clear();
+    last_len_.clear();
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int64_t idx = static_cast<std::int64_t>(cache_start) + i;
+      slots_[static_cast<std::size_t>(i)] =
+          static_cast<std::int64_t>(pages[static_cast<std::size_t>(idx / ps)]) * ps + idx % ps;
+      const std::int64_t len = idx + 1, np = (len + ps - 1) / ps;
+      indices_.insert(indices_.end(), pages.begin(), pages.begin() + np);
+      indptr_.push_back(static_cast<std::int32_t>(indices_.size()));
+      last_len_.push_back(static_cast<std::int32_t>(len - (np - 1) * ps));
+    }
+
+    for (std::int32_t i = 0; i < n; ++i)
+      x.col(i) = Eigen::Map<const Eigen::VectorXf>(
+          ck.token_embedding() + static_cast<std::size_t>(tokens[i]) * dim, dim);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const PagedKVView<float> view =
+          make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
+                        CsrPageTable{indptr_.data(), indices_.data(), last_len_.data(), n});
+      rmsnorm(x, ck.rms_att(l), c.norm_eps, xb);
+      gemm(ex, W(ck.wq(l), dim, dim), xb, q);
+      gemm(ex, W(ck.wk(l), kv, dim), xb, k);
+      gemm(ex, W(ck.wv(l), kv, dim), xb, v);
+      for (std::int32_t i = 0; i < n; ++i) {
+        rope(q.col(i).data(), c.n_heads, hd, pos_start + i);
+        rope(k.col(i).data(), c.n_kv_heads, hd, pos_start + i);
+      }
+      KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), slots_.data(), n,
+                                     static_cast<std::int64_t>(kv)));
+      const std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
+      if (ws_.size() < need) ws_.resize(need);
+      KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q_.data(), att_.data(), ap,
+                                                   Workspace{ws_.data(), ws_.size()}));
+      gemm(ex, W(ck.wo(l), dim, dim), att, xb);
+      x += xb;
+      rmsnorm(x, ck.rms_ffn(l), c.norm_eps, xb);
+      gemm(ex, W(ck.w1(l), hid, dim), xb, h1);
+      gemm(ex, W(ck.w3(l), hid, dim), xb, h3);
+      h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
+      gemm(ex, W(ck.w2(l), dim, hid), h1, xb);
+      x += xb;
+    }
+    if (last_logits != nullptr) {
+      M xl(x_.data() + (N - 1) * dim, dim, 1), yl(xb_.data(), dim, 1);
+      rmsnorm(xl, ck.rms_final(), c.norm_eps, yl);
+      Eigen::Map<Eigen::VectorXf> out(last_logits, c.vocab_size);
+      out.noalias() = W(ck.classifier(), c.vocab_size, dim) * yl.col(0);
+    }
+    return Status::ok();
+  }
+
+  std::int32_t chunk_;
+  double rope_theta_ = 0;
+  int rope_half_ = 0;
+  std::vector<float> rope_cos_, rope_sin_;             // [seq_len, head_dim / 2]
+  std::vector<float> x_, xb_, att_, q_, k_, v_, h1_, h3_;  // [n, width] each
+  std::vector<std::int64_t> slots_;                    // [n]
+  std::vector<std::int32_t> indptr_, indices_, last_len_;  // causal CSR table, [n+1], [...], [n]
+  std::vector<unsigned char> ws_;                      // attention workspace
+};
+
+/// What prefill_sequence / extend_sequence did.
+struct PrefillResult {
+  SeqId id = -1;                  // the sequence's (new) id
+  std::int32_t reused = 0;        // tokens whose K/V were cached before the call
+  std::int32_t prefilled = 0;     // tokens run through the batched pass
+};
+
+/// Consumes the pending prompt of sequence `id` in batched passes, all but its last token
+/// (which stays pending: the next step() gives its logits and the first generated token).
+/// Pages come from the engine's allocator (no reclaim callback is asked; too few free
+/// pages throw kvkit::Error before anything changed). The sequence is re-added under a
+/// NEW id, returned with the counts; with nothing to prefill the id is unchanged. A shared
+/// partly filled last page is copied first (copy-on-write), like a step does.
+inline PrefillResult prefill_sequence(Engine& eng, SeqId id, Prefiller& pre) {
+  const std::vector<std::int32_t> tokens = eng.tokens(id);
+  const std::int32_t pos = eng.position(id), cached = eng.kv_len(id);
+  const std::int32_t n = static_cast<std::int32_t>(tokens.size()) - 1 - pos;
+  PrefillResult r;
+  r.id = id;
+  r.reused = cached;
+  if (n <= 0) return r;
+  const std::int32_t ps = eng.options().page_size;
+  std::vector<std::int32_t> pages = eng.pages(id);
+  const std::int64_t want = (static_cast<std::int64_t>(cached) + n + ps - 1) / ps;
+  const bool cow = cached % ps != 0 && eng.allocator().refcount(pages.back()) > 1;
+  const std::int64_t fresh = want - static_cast<std::int64_t>(pages.size()) + (cow ? 1 : 0);
+  KVKIT_CHECK(fresh <= eng.allocator().num_free(), "kvkit: out of KV pages: prefill of ", n,
+              " tokens needs ", fresh, " new pages, ", eng.allocator().num_free(), " are free");
+  for (std::int32_t p : pages) eng.allocator().retain(p);
+  eng.free_sequence(id);  // the retained pages stay ours
+  std::vector<std::int32_t> added;
+  if (cow) {
+    const std::int32_t copy = eng.allocator().try_allocate();
+    const std::int32_t src = pages.back();
+    for (int l = 0; l < eng.config().n_layers; ++l) {
+      const PagedKVView<float> v = make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
+                                                 eng.strides(), CsrPageTable{nullptr, nullptr, nullptr, 0});
+      const Status st = copy_pages(eng.model().exec(), v, &src, &copy, 1);
+      if (!st.is_ok()) fail("kvkit: prefill copy-on-write of page ", src, " failed: ", st.to_string());
+    }
+    eng.allocator().release(src);
+    pages.back() = copy;
+  }
+  while (static_cast<std::int64_t>(pages.size()) < want) {
+    pages.push_back(eng.allocator().try_allocate());
+    added.push_back(pages.back());
+  }
+  const Status st = pre.run(eng, pages, tokens.data() + pos, n, cached, pos, nullptr);
+  if (!st.is_ok()) {
+    for (std::int32_t p : pages) eng.allocator().release(p);
+    fail("kvkit: batched prefill failed: ", st.to_string());
+  }
+  r.id = eng.add_sequence(tokens, pages, cached + n, pos + n);
+  r.prefilled = n;
+  return r;
+}
+
+/// Appends `more` to the tokens of sequence `id` (after its pending token: a new chat turn
+/// whose first token follows the last generated one) and re-adds it under a new id, its
+/// cached K/V kept (pages moved, not copied). Returns the new id.
+inline SeqId extend_sequence(Engine& eng, SeqId id, const std::vector<std::int32_t>& more) {
+  std::vector<std::int32_t> tokens = eng.tokens(id);
+  tokens.insert(tokens.end(), more.begin(), more.end());
+  KVKIT_CHECK(tokens.size() <= static_cast<std::size_t>(eng.config().seq_len), "kvkit: ",
+              tokens.size(), " tokens exceed the model's seq_len ", eng.config().seq_len);
+  const std::vector<std::int32_t> pages = eng.pages(id);
+  const std::int32_t pos = eng.position(id), cached = eng.kv_len(id);
+  for (std::int32_t p : pages) eng.allocator().retain(p);
+  eng.free_sequence(id);
+  return eng.add_sequence(tokens, pages, cached, pos);
+}
+
+}  // namespace engine
+}  // namespace kvkit
