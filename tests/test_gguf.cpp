@@ -766,12 +766,19 @@ TEST_CASE("fuzzed GGUF headers: truncations and byte flips are errors, never cra
   int parsed = 0;
   for (int it = 0; it < 3000; ++it) {
     std::vector<unsigned char> b = good;
-    for (int k = count(rng); k > 0; --k) b[where(rng)] = static_cast<unsigned char>(byte(rng));
+    std::uniform_int_distribution<std::size_t> anywhere(0, b.size() - 1);
+    for (int k = count(rng); k > 0; --k)  // mostly the header, sometimes the weights
+      b[it % 8 == 0 ? anywhere(rng) : where(rng)] = static_cast<unsigned char>(byte(rng));
     if (rng() % 4 == 0) b.resize(where(rng) + header / 2);
     (void)throws_kvkit_error([&] {
       const GgufFile g = GgufFile::parse(std::move(b), "fuzz");
       ++parsed;
-      for (const GgufKeyValue& kv : g.metadata()) (void)kv.value.elements();
+      for (const GgufKeyValue& kv : g.metadata()) {
+        for (const GgufValue& e : kv.value.elements()) (void)e.elements();
+        if (kv.value.size() > 0) (void)kv.value.element(kv.value.size() - 1);
+      }
+      (void)g.get_string_array("tokenizer.ggml.tokens");
+      (void)g.get_int_array("tokenizer.ggml.token_type");
       (void)load_gguf_checkpoint(g);
     });
   }
