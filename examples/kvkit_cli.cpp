@@ -2,10 +2,14 @@
 // nlohmann/json; the library headers stay dependency-free).
 //
 //   kvkit generate [engine options] [--batch B] [--table csr|block] [--contiguous] [--json]
+//   kvkit generate --model M.gguf --prompt "text" [--chat] [--system S] [--max-tokens N]
+//                  [--stop-at-eos] [--prefill batch|tokens] [--json]
+//   kvkit chat     --model M.gguf [--system S] [--max-tokens N] [--json]   (turns on stdin)
 //   kvkit trace    [engine options] --out DIR [--json]
 //   kvkit --version | --help;  kvkit <command> --help
 //
-// Without --model a deterministic synthetic checkpoint of the stories260K shape is used.
+// Without --model a deterministic synthetic checkpoint of the stories260K shape is used. A
+// GGUF model (file starting with "GGUF") brings its tokenizer: --prompt is then text.
 // Exit codes: 0 ok, 1 a library or I/O error (bad checkpoint, unreadable file), 2 a usage
 // error (unknown option, bad value, a KV pool the machine cannot hold). With --json exactly
 // one JSON object goes to stdout, also on error: {"error": "...", "code": <exit code>}.
@@ -33,7 +37,11 @@
 
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
+#include "engine/gguf.hpp"
+#include "engine/gguf_checkpoint.hpp"
 #include "engine/npy.hpp"
+#include "engine/prefill.hpp"
+#include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
 
 namespace {
@@ -47,7 +55,14 @@ constexpr std::int32_t kMaxBatch = 4096;
 constexpr std::int32_t kMaxThreads = 64;  // kvkit::kMaxHostThreads
 
 const char* kFooter =
-    "Prompts: --prompt \"1 2 3\" gives token ids (whitespace or commas between them; include\n"
+    "GGUF models (SmolLM2, scripts/fetch-model.sh): --prompt is text, tokenized with the file's\n"
+    "  tokenizer (--prompt-file: the whole file is the prompt); --chat wraps it in the file's\n"
+    "  ChatML template (default system message, or --system) with the assistant turn opened.\n"
+    "  Generates --max-tokens tokens (default 128; --stop-at-eos ends at <|im_end|> / EOS) and\n"
+    "  prints the text; the prompt is prefilled in batched passes (--prefill tokens: one step per\n"
+    "  token). --json adds prompt_tokens, tokens, text, tokens_per_s (decode) and\n"
+    "  prefill_tokens_per_s. `kvkit chat --model M.gguf` reads one user turn per stdin line.\n"
+    "llama2.c models (.bin) and the synthetic model: --prompt \"1 2 3\" gives token ids (whitespace or commas between them; include\n"
     "  1 = BOS yourself); repeat --prompt for several prompts. --prompt-file F holds one prompt\n"
     "  per line in the same format (blank lines and lines starting with # are skipped).\n"
     "  Sequence b of the batch decodes prompt b mod (number of prompts): fewer prompts than\n"
@@ -86,6 +101,15 @@ struct Options {
   bool page_size_given = false;
   bool batch_given = false;
   bool num_pages_given = false;
+  // GGUF text generation and chat.
+  std::string system;
+  std::string prefill = "batch";
+  std::int32_t max_tokens = 128;
+  bool chat = false;
+  bool stop_at_eos = false;
+  bool system_given = false;
+  bool max_tokens_given = false;
+  bool steps_given = false;
 };
 
 // Validator: an integer in [lo, hi], message naming the value (CLI11 prefixes the option).
@@ -111,15 +135,33 @@ CLI::Validator int_in(std::int64_t lo, std::int64_t hi) {
       "");  // the range is in each option's help text
 }
 
-// Options shared by generate and trace.
-void add_engine_options(CLI::App& cmd, Options& o) {
-  cmd.add_option("--model", o.model, "llama2.c checkpoint (default: a deterministic synthetic model)")
-      ->type_name("PATH")
-      ->check([](const std::string& s) { return s.empty() ? std::string("needs a non-empty path") : ""; });
-  const std::int64_t int_max = std::numeric_limits<std::int32_t>::max();
-  cmd.add_option("--steps", o.steps, "positions processed per sequence, prompt included (default 64, at most the model's seq_len)")
+// Options of GGUF text generation, shared by generate and chat.
+void add_text_options(CLI::App& cmd, Options& o, bool chat) {
+  cmd.add_option("--system", o.system, "system message (default: the chat template's)")
+      ->type_name("TEXT");
+  cmd.add_option("--max-tokens", o.max_tokens,
+                 std::string("tokens generated at most") + (chat ? " per turn" : "") + " (default 128)")
       ->type_name("N")
-      ->check(int_in(1, int_max));
+      ->check(int_in(1, std::numeric_limits<std::int32_t>::max()));
+  cmd.add_option("--prefill", o.prefill, "prompt processing: batch (batched passes) or tokens (one step per token)")
+      ->type_name("MODE")
+      ->check(CLI::IsMember({"batch", "tokens"}));
+}
+
+// Options shared by generate, trace and (without --steps and the prompts) chat.
+void add_engine_options(CLI::App& cmd, Options& o, bool prompts = true) {
+  CLI::Option* model =
+      cmd.add_option("--model", o.model,
+                     prompts ? "GGUF model or llama2.c checkpoint (default: a deterministic synthetic model)"
+                             : "GGUF model (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)")
+          ->type_name("PATH")
+          ->check([](const std::string& s) { return s.empty() ? std::string("needs a non-empty path") : ""; });
+  if (!prompts) model->required();
+  const std::int64_t int_max = std::numeric_limits<std::int32_t>::max();
+  if (prompts)
+    cmd.add_option("--steps", o.steps, "positions processed per sequence, prompt included (default 64, at most the model's seq_len; not with a GGUF model)")
+        ->type_name("N")
+        ->check(int_in(1, int_max));
   cmd.add_option("--page-size", o.page_size, "tokens per KV page (default 16); the pool must fit in memory")
       ->type_name("P")
       ->check(int_in(1, int_max));
@@ -132,15 +174,16 @@ void add_engine_options(CLI::App& cmd, Options& o) {
   cmd.add_option("--layout", o.layout, "page layout: nhd or hnd (default nhd)")
       ->type_name("L")
       ->check(CLI::IsMember({"nhd", "hnd"}));
-  cmd.add_option("--prompt", o.prompt_texts, "prompt token ids, e.g. \"1 2 3\" (repeatable; see below)")
-      ->type_name("IDS")
+  cmd.add_flag("--json", o.json, "print exactly one JSON object on stdout");
+  if (!prompts) return;
+  cmd.add_option("--prompt", o.prompt_texts, "prompt: text with a GGUF model, else token ids, e.g. \"1 2 3\" (repeatable; see below)")
+      ->type_name("TEXT|IDS")
       ->expected(1)
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  cmd.add_option("--prompt-file", o.prompt_file, "file with one prompt per line (see below)")
+  cmd.add_option("--prompt-file", o.prompt_file, "file with one prompt per line (GGUF: the whole file; see below)")
       ->type_name("FILE")
       ->excludes("--prompt");
-  cmd.add_flag("--json", o.json, "print exactly one JSON object on stdout");
   cmd.footer(kFooter);
 }
 
@@ -162,6 +205,12 @@ bool parse_args(int argc, char** argv, Options& o) {
   gen->add_flag("--contiguous", o.contiguous,
                 "one seq_len-token page per sequence (the contiguous-cache baseline); excludes --page-size")
       ->excludes("--page-size");
+  gen->add_flag("--chat", o.chat, "GGUF: wrap --prompt in the ChatML template as a user turn");
+  gen->add_flag("--stop-at-eos", o.stop_at_eos, "GGUF: stop at the end-of-turn token (<|im_end|>, EOS)");
+  add_text_options(*gen, o, false);
+  CLI::App* chat = app.add_subcommand("chat", "interactive multi-turn chat with a GGUF model: one user turn per stdin line, the conversation's KV kept between turns");
+  add_engine_options(*chat, o, false);
+  add_text_options(*chat, o, true);
   CLI::App* trace = app.add_subcommand("trace", "greedy decoding of one sequence; writes per-layer K/V/Q, tokens and logits as .npy");
   add_engine_options(*trace, o);
   trace->add_option("--out", o.out, "output folder (created if missing)")
@@ -174,12 +223,13 @@ bool parse_args(int argc, char** argv, Options& o) {
   bool help = false;
   for (const std::string& a : args) help = help || a == "--help" || a == "-h";
   if (args.empty()) throw UsageError("missing command (try kvkit --help)");
-  if (args[0].empty() || (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace")) {
+  if (args[0].empty() ||
+      (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace" && args[0] != "chat")) {
     if (help) {
       std::cout << app.help();
       return false;
     }
-    throw UsageError("unknown command '" + args[0] + "' (expected generate or trace)");
+    throw UsageError("unknown command '" + args[0] + "' (expected generate, chat or trace)");
   }
   try {
     app.parse(argc, argv);
@@ -195,11 +245,15 @@ bool parse_args(int argc, char** argv, Options& o) {
   } catch (const CLI::ParseError& e) {
     throw UsageError(e.what());
   }
-  o.command = gen->parsed() ? "generate" : "trace";
-  CLI::App* cmd = gen->parsed() ? gen : trace;
+  o.command = gen->parsed() ? "generate" : chat->parsed() ? "chat" : "trace";
+  CLI::App* cmd = gen->parsed() ? gen : chat->parsed() ? chat : trace;
   o.page_size_given = cmd->count("--page-size") > 0;
   o.num_pages_given = cmd->count("--num-pages") > 0;
   o.batch_given = o.command == "generate" && gen->count("--batch") > 0;
+  o.steps_given = o.command != "chat" && cmd->count("--steps") > 0;
+  o.system_given = o.command != "trace" && cmd->count("--system") > 0;
+  o.max_tokens_given = o.command != "trace" && cmd->count("--max-tokens") > 0;
+  if (o.command == "chat") o.stop_at_eos = true;
   return true;
 }
 
@@ -286,11 +340,21 @@ struct LoadedModel {
   std::string name;  // path, or "synthetic"
 };
 
+// True when `path` starts with the GGUF magic (a file that cannot be read is left to the
+// llama2.c loader, whose error names it).
+bool is_gguf(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  return in.read(magic, 4) && std::string(magic, 4) == "GGUF";
+}
+
 LoadedModel load_model(const Options& o) {
   if (o.model.empty()) {
     return {std::make_shared<const Checkpoint>(kvkit::engine::default_synthetic_checkpoint()),
             "synthetic"};
   }
+  if (is_gguf(o.model))
+    return {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(o.model)), o.model};
   return {std::make_shared<const Checkpoint>(kvkit::engine::load_checkpoint(o.model)), o.model};
 }
 
@@ -427,7 +491,14 @@ std::string dump(const Json& j) {
 // ---------------------------------------------------------------------------------------
 // Commands
 
+int cmd_generate_gguf(const Options& o);
+
 int cmd_generate(const Options& o) {
+  if (!o.model.empty() && is_gguf(o.model)) return cmd_generate_gguf(o);
+  if (o.chat || o.stop_at_eos || o.system_given || o.max_tokens_given)
+    throw UsageError(std::string(o.chat ? "--chat" : o.stop_at_eos ? "--stop-at-eos" : o.system_given ? "--system" : "--max-tokens") +
+                     " needs a GGUF model with a tokenizer (--model M.gguf); " +
+                     (o.model.empty() ? "no --model was given" : o.model + " is not a GGUF file"));
   const LoadedModel m = load_model(o);
   const auto& c = m.ckpt->config();
   check_steps(o, m);
@@ -559,6 +630,293 @@ int cmd_trace(const Options& o) {
   return 0;
 }
 
+// ---------------------------------------------------------------------------------------
+// GGUF models: text in, text out
+
+using kvkit::engine::ChatMessage;
+using kvkit::engine::ChatTemplate;
+using kvkit::engine::Prefiller;
+using kvkit::engine::SeqId;
+using kvkit::engine::Tokenizer;
+
+struct TextModel {
+  LoadedModel model;
+  std::shared_ptr<const Tokenizer> tok;
+  ChatTemplate tmpl;  // ChatML; no default system message when the file has no template
+  std::int32_t end_of_turn = -1;  // <|im_end|> (or EOS): closes an assistant turn in chat
+};
+
+TextModel load_text_model(const std::string& path) {
+  const kvkit::engine::GgufFile g = kvkit::engine::GgufFile::open(path);
+  TextModel t;
+  t.model = {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(g)), path};
+  t.tok = std::make_shared<const Tokenizer>(Tokenizer::from_gguf(g));
+  if (g.has("tokenizer.chat_template")) t.tmpl = ChatTemplate::from_gguf(g);
+  t.end_of_turn = t.tok->find_token("<|im_end|>");
+  if (t.end_of_turn < 0) t.end_of_turn = t.tok->eos_id();
+  KVKIT_CHECK(t.tok->vocab_size() == t.model.ckpt->config().vocab_size, "kvkit: ", path, ": tokenizer of ",
+              t.tok->vocab_size(), " tokens, model vocabulary of ", t.model.ckpt->config().vocab_size);
+  return t;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One prompt-then-generate run of a sequence (a generate call or a chat turn).
+struct TurnStats {
+  std::int32_t reused = 0;          // tokens whose K/V were cached before the turn
+  std::int32_t prompt = 0;          // prompt tokens processed in this turn
+  std::vector<std::int32_t> generated;  // generated tokens, the stop token excluded
+  std::string stop;                 // "eos", "max_tokens" or "seq_len"
+  double prefill_s = 0;             // until the first generated token (prompt + its step)
+  double decode_s = 0;              // the steps after it
+  std::int32_t decode_steps = 0;
+  double prefill_tps() const { return prefill_s > 0 ? prompt / prefill_s : 0; }
+  double decode_tps() const { return decode_s > 0 ? decode_steps / decode_s : 0; }
+};
+
+// Processes the pending prompt of sequence `id` (batched, or one step per token) and
+// generates up to max_tokens tokens, calling on_token for each kept one. `id` is updated
+// (batched prefill re-adds the sequence under a new id). Leaves the stop token pending.
+template <class OnToken>
+TurnStats run_turn(Engine& eng, SeqId& id, Prefiller& pre, bool batched, std::int32_t max_tokens,
+                   bool stop_at_eos, const Tokenizer& tok, OnToken on_token) {
+  TurnStats t;
+  t.reused = eng.kv_len(id);
+  const std::size_t prompt_end = eng.tokens(id).size();
+  t.prompt = static_cast<std::int32_t>(prompt_end) - eng.position(id);
+  const std::int32_t seq_len = eng.config().seq_len;
+  auto t0 = std::chrono::steady_clock::now();
+  if (batched) id = kvkit::engine::prefill_sequence(eng, id, pre).id;
+  while (eng.tokens(id).size() == prompt_end) {  // the rest of the prompt, then its first token
+    if (eng.position(id) >= seq_len) {
+      t.stop = "seq_len";
+      t.prefill_s = seconds_since(t0);
+      return t;
+    }
+    eng.step();
+  }
+  t.prefill_s = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const std::int32_t next = eng.tokens(id).back();
+    if (stop_at_eos && tok.is_end_of_generation(next)) {
+      t.stop = "eos";
+      break;
+    }
+    t.generated.push_back(next);
+    on_token(next);
+    if (static_cast<std::int32_t>(t.generated.size()) >= max_tokens) {
+      t.stop = "max_tokens";
+      break;
+    }
+    if (eng.position(id) >= seq_len) {
+      t.stop = "seq_len";
+      break;
+    }
+    eng.step();
+    ++t.decode_steps;
+  }
+  t.decode_s = seconds_since(t0);
+  return t;
+}
+
+// Writes a token's bytes as they come (pieces may split a UTF-8 character; the
+// concatenation is exact).
+struct TokenPrinter {
+  const Tokenizer& tok;
+  bool enabled;
+  void operator()(std::int32_t id) const {
+    if (!enabled) return;
+    std::cout << tok.token_to_piece(id, /*render_special=*/false) << std::flush;
+  }
+};
+
+// Engine options for a GGUF run of one sequence over `positions` positions: the pool holds
+// just those (unless --num-pages / --contiguous say otherwise).
+EngineOptions text_engine_options(const Options& o, const kvkit::engine::ModelConfig& c,
+                                  std::int32_t positions) {
+  Options sized = o;
+  sized.steps = positions;
+  EngineOptions e = engine_options(sized, c, 1);
+  if (!o.num_pages_given && !o.contiguous)
+    e.num_pages = static_cast<std::int32_t>((static_cast<std::int64_t>(positions) + o.page_size - 1) / o.page_size);
+  return e;
+}
+
+std::string stats_line(const TurnStats& t) {
+  std::ostringstream os;
+  os << t.prompt << " prompt tokens";
+  if (t.reused > 0) os << " (+" << t.reused << " reused from the cache)";
+  os << " at " << static_cast<std::int64_t>(t.prefill_tps() + 0.5) << " tokens/s, " << t.generated.size()
+     << " generated at " << static_cast<std::int64_t>(t.decode_tps() + 0.5) << " tokens/s, stop: " << t.stop;
+  return os.str();
+}
+
+int cmd_generate_gguf(const Options& o) {
+  if (o.steps_given) throw UsageError("--steps is for token-id models; with a GGUF model use --max-tokens");
+  if (o.batch_given && o.batch != 1) throw UsageError("a GGUF model generates one prompt (--batch 1)");
+  std::string text;
+  if (!o.prompt_file.empty()) {
+    std::ifstream in(o.prompt_file, std::ios::binary);
+    if (!in) throw IoError("cannot read prompt file '" + o.prompt_file + "'");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  } else if (o.prompt_texts.size() == 1) {
+    text = o.prompt_texts[0];
+  } else if (o.prompt_texts.size() > 1) {
+    throw UsageError("a GGUF model generates one prompt; got " + std::to_string(o.prompt_texts.size()) +
+                     " --prompt options");
+  } else {
+    throw UsageError("generate with a GGUF model needs --prompt TEXT or --prompt-file FILE");
+  }
+  if (o.system_given && !o.chat) throw UsageError("--system needs --chat");
+  const TextModel tm = load_text_model(o.model);
+  const auto& c = tm.model.ckpt->config();
+  std::vector<std::int32_t> prompt;
+  if (o.chat) {
+    std::vector<ChatMessage> msgs;
+    if (o.system_given) msgs.push_back({"system", o.system});
+    msgs.push_back({"user", text});
+    prompt = tm.tmpl.encode(*tm.tok, msgs, /*add_generation_prompt=*/true);
+  } else {
+    prompt = tm.tok->encode(text, /*add_special=*/true, /*parse_special=*/true);
+  }
+  if (prompt.empty()) throw UsageError("the prompt is empty (no tokens)");
+  if (static_cast<std::int64_t>(prompt.size()) > c.seq_len)
+    throw UsageError("the prompt has " + std::to_string(prompt.size()) + " tokens, more than the model's seq_len " +
+                     std::to_string(c.seq_len));
+  // T prompt tokens and N generated need T + N - 1 processed positions.
+  const std::int32_t positions = static_cast<std::int32_t>(
+      std::min<std::int64_t>(c.seq_len, static_cast<std::int64_t>(prompt.size()) + o.max_tokens - 1));
+  const EngineOptions eo = text_engine_options(o, c, positions);
+  const auto eng = make_engine(tm.model, eo, {prompt});
+  SeqId id = eng->sequences().at(0);
+  Prefiller pre;
+  const TurnStats t = run_turn(*eng, id, pre, o.prefill == "batch", o.max_tokens, o.stop_at_eos, *tm.tok,
+                               TokenPrinter{*tm.tok, !o.json});
+  const std::string answer = tm.tok->decode(t.generated, /*render_special=*/false);
+  const EngineOptions& eff = eng->options();
+  if (o.json) {
+    const Json j = {{"command", "generate"},
+                    {"version", KVKIT_VERSION},
+                    {"model", tm.model.name},
+                    {"synthetic", false},
+                    {"chat", o.chat},
+                    {"steps", eng->position(id)},
+                    {"batch", 1},
+                    {"page_size", eff.page_size},
+                    {"num_pages", eff.num_pages},
+                    {"threads", eff.threads},
+                    {"layout", o.layout},
+                    {"table", o.table},
+                    {"contiguous", o.contiguous},
+                    {"prefill", o.prefill},
+                    {"sequences", Json::array({{{"index", 0}, {"prompt", prompt}, {"tokens", eng->tokens(id)}}})},
+                    {"prompt_tokens", prompt},
+                    {"tokens", t.generated},
+                    {"text", answer},
+                    {"stop", t.stop},
+                    {"tokens_per_s", t.decode_tps()},
+                    {"prefill_tokens_per_s", t.prefill_tps()},
+                    {"prefill_seconds", t.prefill_s},
+                    {"decode_seconds", t.decode_s},
+                    {"kv_bytes_peak", eng->kv_bytes_peak()},
+                    {"kv_bytes_final", eng->kv_bytes_in_use()},
+                    {"pages_in_use", eng->pages_in_use()}};
+    std::cout << dump(j);
+  } else {
+    std::cout << "\n" << std::flush;  // the text was printed token by token
+    std::cerr << "kvkit: " << stats_line(t) << " (" << eff.threads << " thread"
+              << (eff.threads == 1 ? "" : "s") << ", prefill " << o.prefill << ")\n";
+  }
+  return 0;
+}
+
+// Interactive chat: each stdin line is a user turn; the answer streams to stdout. The
+// conversation stays one engine sequence, so a turn processes only its new tokens.
+int cmd_chat(const Options& o) {
+  if (!is_gguf(o.model))
+    throw UsageError("chat needs a GGUF model with a tokenizer and chat template; " + o.model +
+                     " is not a GGUF file");
+  const TextModel tm = load_text_model(o.model);
+  const auto& c = tm.model.ckpt->config();
+  const EngineOptions eo = text_engine_options(o, c, c.seq_len);
+  std::unique_ptr<Engine> eng;
+  SeqId id = -1;
+  Prefiller pre;
+  const bool tty = isatty(STDIN_FILENO) != 0;
+  Json turns = Json::array();
+  std::string line;
+  std::int32_t n = 0;
+  for (;;) {
+    if (tty) std::cerr << "> " << std::flush;
+    if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    ++n;
+    std::vector<std::int32_t> new_tokens;
+    if (!eng) {
+      std::vector<ChatMessage> msgs;
+      if (o.system_given) msgs.push_back({"system", o.system});
+      msgs.push_back({"user", line});
+      new_tokens = tm.tmpl.encode(*tm.tok, msgs, true);
+      eng = make_engine(tm.model, eo, {new_tokens});
+      id = eng->sequences().at(0);
+    } else {
+      // The previous turn left its last token pending: <|im_end|>, or (cut by --max-tokens)
+      // a reply token, then closed here. What the template puts between turns follows.
+      if (!tm.tok->is_end_of_generation(eng->pending_token(id))) new_tokens.push_back(tm.end_of_turn);
+      const auto more = tm.tok->encode("\n<|im_start|>user\n" + line + "<|im_end|>\n<|im_start|>assistant\n",
+                                       /*add_special=*/false, /*parse_special=*/true);
+      new_tokens.insert(new_tokens.end(), more.begin(), more.end());
+      if (static_cast<std::int64_t>(eng->tokens(id).size() + new_tokens.size()) > c.seq_len) {
+        std::cerr << "kvkit: the conversation would exceed the model's seq_len " << c.seq_len << "; ending\n";
+        break;
+      }
+      id = kvkit::engine::extend_sequence(*eng, id, new_tokens);
+    }
+    const TurnStats t = run_turn(*eng, id, pre, o.prefill == "batch", o.max_tokens, true, *tm.tok,
+                                 TokenPrinter{*tm.tok, !o.json});
+    const std::string answer = tm.tok->decode(t.generated, false);
+    if (o.json) {
+      turns.push_back({{"turn", n},
+                       {"user", line},
+                       {"text", answer},
+                       {"prompt_tokens", new_tokens},
+                       {"tokens", t.generated},
+                       {"reused_tokens", t.reused},
+                       {"processed_prompt_tokens", t.prompt},
+                       {"stop", t.stop},
+                       {"kv_len", eng->kv_len(id)},
+                       {"tokens_per_s", t.decode_tps()},
+                       {"prefill_tokens_per_s", t.prefill_tps()}});
+    } else {
+      std::cout << "\n" << std::flush;
+      std::cerr << "kvkit: turn " << n << ": " << stats_line(t) << "\n";
+    }
+    if (t.stop == "seq_len") {
+      std::cerr << "kvkit: the conversation reached the model's seq_len " << c.seq_len << "; ending\n";
+      break;
+    }
+  }
+  if (o.json) {
+    const Json j = {{"command", "chat"},
+                    {"version", KVKIT_VERSION},
+                    {"model", tm.model.name},
+                    {"page_size", eo.page_size},
+                    {"threads", eo.threads},
+                    {"prefill", o.prefill},
+                    {"turns", turns},
+                    {"kv_bytes_peak", eng ? eng->kv_bytes_peak() : 0},
+                    {"pages_in_use", eng ? eng->pages_in_use() : 0}};
+    std::cout << dump(j);
+  }
+  return 0;
+}
+
 // Prints an error: "kvkit: ..." on stderr and, with --json, the error object on stdout.
 int fail(bool json, int code, const std::string& msg) {
   std::cerr << "kvkit: " << (code == 2 ? "error: " : "") << msg << "\n";
@@ -575,6 +933,7 @@ int main(int argc, char** argv) {
   try {
     Options o;
     if (!parse_args(argc, argv, o)) return 0;
+    if (o.command == "chat") return cmd_chat(o);
     return o.command == "generate" ? cmd_generate(o) : cmd_trace(o);
   } catch (const UsageError& e) {
     return fail(json, 2, e.what());

@@ -19,7 +19,9 @@
 
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
+#include "engine/gguf.hpp"
 #include "engine/npy.hpp"
+#include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
 
 using namespace kvkit;
@@ -30,6 +32,7 @@ using Json = nlohmann::json;
 namespace {
 
 const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
+const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 // A fresh per-test temporary folder, removed at the end of the scope.
 struct TempDir {
@@ -305,6 +308,14 @@ TEST_CASE("kvkit CLI usage errors exit 2 naming the value", "[cli][errors]") {
       {"generate --prompt-file " + bad, {"line 2", "'x7'"}},
       {"generate --prompt-file " + empty, {"holds no prompt"}},
       {"trace --out x --prompt 1 --prompt '1 2'", {"one sequence", "2 prompts"}},
+      // Text options need a GGUF model (its tokenizer).
+      {"generate --chat --prompt hi", {"--chat", "GGUF", "no --model"}},
+      {"generate --stop-at-eos", {"--stop-at-eos", "GGUF"}},
+      {"generate --max-tokens 4", {"--max-tokens", "GGUF"}},
+      {"generate --max-tokens 0", {"--max-tokens", "0"}},
+      {"generate --prefill sideways", {"sideways"}},
+      {"chat", {"--model"}},
+      {"chat --steps 3 --model x.gguf", {"--steps"}},
   };
   for (const Bad& b : cases) {
     INFO("args: " << b.args);
@@ -368,7 +379,9 @@ TEST_CASE("kvkit CLI --version and --help exit 0", "[cli][help]") {
                         Help{"generate --help", {"--batch", "--prompt-file", "--num-pages", "--threads",
                                                  "--contiguous", "one prompt per line"}},
                         Help{"generate --steps 3 --help", {"--batch"}},
-                        Help{"trace --help", {"--out", "--prompt"}}}) {
+                        Help{"trace --help", {"--out", "--prompt"}},
+                        Help{"generate --help", {"--chat", "--system", "--max-tokens", "--stop-at-eos", "GGUF"}},
+                        Help{"chat --help", {"--model", "--system", "--max-tokens", "stdin"}}}) {
     INFO("args: " << h.args);
     const CliResult r = run_cli(h.args);
     CHECK(r.code == 0);
@@ -450,5 +463,159 @@ TEST_CASE("kvkit CLI trace writes K/V/Q, tokens and logits as npy", "[cli][trace
         for (int d = 0; d < hd; ++d)
           same = same && qv[(static_cast<std::size_t>(h) * N + t) * hd + d] == q[l][static_cast<std::size_t>(t) * c.dim + h * hd + d];
     CHECK(same);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// GGUF models: text prompts, ChatML, multi-turn chat (SmolLM2-135M-Instruct when present)
+
+namespace {
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+}  // namespace
+
+TEST_CASE("kvkit generate with a GGUF model: text in, chat answer out, JSON fields", "[cli][gguf][smollm2]") {
+  if (!fs::exists(kSmolPath)) {
+    WARN("skipped: no model file " << kSmolPath << " (run scripts/fetch-model.sh)");
+    return;
+  }
+  const std::string model = "--model " + quoted(kSmolPath);
+  const std::string question = "What is the capital of France?";
+  const GgufFile g = GgufFile::open(kSmolPath);
+  const Tokenizer tok = Tokenizer::from_gguf(g);
+  const ChatTemplate tmpl = ChatTemplate::from_gguf(g);
+  const std::int32_t im_end = tok.find_token("<|im_end|>");
+  REQUIRE(im_end >= 0);
+  {
+    const CliResult r = run_cli("generate " + model + " --chat --prompt " + quoted(question) +
+                                " --max-tokens 32 --stop-at-eos");
+    INFO("stderr: " << r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.out.find("Paris") != std::string::npos);
+    CHECK(r.out.find("<|im_end|>") == std::string::npos);
+    CHECK(r.err.find("tokens/s") != std::string::npos);
+  }
+  Json batched;
+  for (const std::string mode : {"batch", "tokens"}) {
+    INFO("--prefill " << mode);
+    const Json j = run_json("generate --json " + model + " --chat --prompt " + quoted(question) +
+                            " --max-tokens 32 --stop-at-eos --prefill " + mode);
+    const Tokens prompt = tmpl.encode(tok, {{"user", question}}, true);
+    CHECK(j.at("prompt_tokens").get<Tokens>() == prompt);
+    const Tokens gen = j.at("tokens").get<Tokens>();
+    REQUIRE_FALSE(gen.empty());
+    CHECK(j.at("text") == tok.decode(gen, false));
+    CHECK(j.at("text").get<std::string>().find("Paris") != std::string::npos);
+    CHECK(j.at("stop") == "eos");
+    // The sequence holds prompt + answer + the pending <|im_end|>.
+    Tokens all = prompt;
+    all.insert(all.end(), gen.begin(), gen.end());
+    all.push_back(im_end);
+    CHECK(tokens_of(j.at("sequences")[0]) == all);
+    CHECK(j.at("tokens_per_s").get<double>() > 0);
+    CHECK(j.at("prefill_tokens_per_s").get<double>() > 0);
+    CHECK(j.at("prefill") == mode);
+    for (const char* key : {"command", "version", "model", "synthetic", "steps", "batch", "page_size",
+                            "num_pages", "threads", "layout", "table", "contiguous", "kv_bytes_peak",
+                            "kv_bytes_final", "pages_in_use"})
+      CHECK(j.contains(key));
+    CHECK(j.at("model") == kSmolPath);
+    CHECK(j.at("synthetic") == false);
+    if (batched.is_null()) batched = j;
+    else CHECK(j.at("tokens") == batched.at("tokens"));  // batched prefill decodes the same answer
+  }
+  {
+    // Plain text (no template), cut by --max-tokens, with a system message refused.
+    const std::string text = "The capital of France is";
+    const Json j = run_json("generate --json " + model + " --prompt " + quoted(text) + " --max-tokens 5");
+    CHECK(j.at("prompt_tokens").get<Tokens>() == tok.encode(text));
+    CHECK(j.at("tokens").size() == 5);
+    CHECK(j.at("stop") == "max_tokens");
+    CHECK(j.at("chat") == false);
+  }
+  {
+    const Json j = run_json("generate --json " + model + " --chat --system " + quoted("Answer in French.") +
+                            " --prompt " + quoted(question) + " --max-tokens 3 --threads 2 --page-size 4");
+    CHECK(j.at("prompt_tokens").get<Tokens>() ==
+          tmpl.encode(tok, {{"system", "Answer in French."}, {"user", question}}, true));
+    CHECK(j.at("threads") == 2);
+    CHECK(j.at("page_size") == 4);
+  }
+  struct Bad {
+    std::string args, needle;
+  };
+  for (const Bad& b : {Bad{"--steps 4 --prompt hi", "--max-tokens"},
+                       Bad{"--prompt hi --prompt ho", "one prompt"},
+                       Bad{"--batch 2 --prompt hi", "--batch 1"},
+                       Bad{"--system x --prompt hi", "--system needs --chat"},
+                       Bad{"", "needs --prompt"}}) {
+    INFO("args: " << b.args);
+    const CliResult r = run_cli("generate " + model + " " + b.args);
+    CHECK(r.code == 2);
+    CHECK(r.err.find(b.needle) != std::string::npos);
+  }
+}
+
+TEST_CASE("kvkit chat keeps the conversation's KV between turns", "[cli][gguf][chat][smollm2]") {
+  if (!fs::exists(kSmolPath)) {
+    WARN("skipped: no model file " << kSmolPath << " (run scripts/fetch-model.sh)");
+    return;
+  }
+  TempDir tmp("chat");
+  const std::string in = tmp.file("in.txt");
+  std::ofstream(in) << "What is the capital of France?\n\nAnd what is the capital of Germany?\n";
+  const std::string args = "chat --model " + quoted(kSmolPath) + " --max-tokens 48 < " + quoted(in);
+  const Json j = run_json("chat --json --model " + quoted(kSmolPath) + " --max-tokens 48 < " + quoted(in));
+  const Json& turns = j.at("turns");
+  REQUIRE(turns.size() == 2);  // the blank line is not a turn
+  const Json &t1 = turns[0], &t2 = turns[1];
+  CHECK(t1.at("text").get<std::string>().find("Paris") != std::string::npos);
+  CHECK(t2.at("text").get<std::string>().find("Berlin") != std::string::npos);
+  CHECK(t1.at("reused_tokens") == 0);
+  CHECK(t1.at("stop") == "eos");
+  // Turn 2 reuses every cached token of turn 1 and processes only its own: the pending
+  // <|im_end|> of turn 1 and the new user turn with the assistant prompt.
+  CHECK(t2.at("reused_tokens") == t1.at("kv_len"));
+  CHECK(t1.at("kv_len").get<int>() ==
+        static_cast<int>(t1.at("prompt_tokens").size() + t1.at("tokens").size()));
+  CHECK(t2.at("processed_prompt_tokens").get<std::size_t>() == t2.at("prompt_tokens").size() + 1);
+  CHECK(t2.at("kv_len").get<int>() == t1.at("kv_len").get<int>() + 1 +
+                                          static_cast<int>(t2.at("prompt_tokens").size() + t2.at("tokens").size()));
+  // Turn 2's tokens are what the chat template renders for the whole conversation, and
+  // the whole transcript as one fresh prompt (generate, nothing cached) gives the same
+  // second answer.
+  const GgufFile g = GgufFile::open(kSmolPath);
+  const Tokenizer tok = Tokenizer::from_gguf(g);
+  const ChatTemplate tmpl = ChatTemplate::from_gguf(g);
+  const std::vector<ChatMessage> conversation = {{"user", "What is the capital of France?"},
+                                                 {"assistant", t1.at("text").get<std::string>()},
+                                                 {"user", "And what is the capital of Germany?"}};
+  Tokens transcript = t1.at("prompt_tokens").get<Tokens>();
+  for (std::int32_t t : tok.encode(t1.at("text").get<std::string>(), false)) transcript.push_back(t);
+  transcript.push_back(tok.find_token("<|im_end|>"));
+  for (std::int32_t t : t2.at("prompt_tokens").get<Tokens>()) transcript.push_back(t);
+  CHECK(transcript == tmpl.encode(tok, conversation, true));
+  {
+    std::ofstream(tmp.file("transcript.txt"), std::ios::binary) << tmpl.render(conversation, true);
+    const Json fresh = run_json("generate --json --model " + quoted(kSmolPath) + " --prompt-file " +
+                                quoted(tmp.file("transcript.txt")) + " --max-tokens 48 --stop-at-eos");
+    CHECK(fresh.at("text") == t2.at("text"));
+  }
+  {
+    const CliResult r = run_cli(args);
+    INFO("stderr: " << r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.out.find("Paris") != std::string::npos);
+    CHECK(r.out.find("Berlin") != std::string::npos);
+    CHECK(r.err.find("turn 2") != std::string::npos);
+    CHECK(r.err.find("reused from the cache") != std::string::npos);
+  }
+  {
+    const CliResult r = run_cli("chat --model " + quoted(kModelPath.empty() ? "x" : kModelPath) + " < /dev/null");
+    if (fs::exists(kModelPath)) {
+      CHECK(r.code == 2);
+      CHECK(r.err.find("not a GGUF file") != std::string::npos);
+    }
   }
 }
