@@ -9,6 +9,7 @@
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/core/thread_pool.hpp"
 #include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/params.hpp"
 #include "kvkit/version.hpp"

@@ -3,14 +3,17 @@
 // backends of every core KV operation. Each operation has one public name; the backend
 // is picked by the execution object passed first:
 //
-//   write_kv(exec, view, key, value, slot_mapping, num_tokens, token_stride)
+//   write_kv(exec, view, key, value, slot_mapping, num_tokens, token_stride[, v_token_stride])
 //   paged_decode_attention(exec, view, q, out, params, workspace[, lse])
+//   merge_attention_states(exec, out_a, lse_a, out_b, lse_b, out, lse, rows, dim)
 //   gather_tokens(exec, view, seq, token_ids, n, k_out, v_out)
 //   compact_tokens(exec, view, keep, num_keep, keep_stride, workspace)
-//   copy_pages(exec, view, src_pages, dst_pages, n)
+//   copy_pages(exec, view, src_pages, dst_pages, n[, workspace])   (workspace required on CUDA)
 //
 // Each has `<op>_workspace_size(...)` where it needs scratch (0 otherwise). Run paths
-// return kvkit::Status and never throw or allocate.
+// return kvkit::Status and never throw or allocate. Both backends check the same things
+// and return the same StatusCode, writing nothing on failure; on CUDA, checks of
+// device-resident tables are recorded in the exec::Cuda's DeviceStatus (see cuda.cuh).
 
 #include <cmath>
 #include <cstddef>
