@@ -224,8 +224,11 @@ inline void score_block(const float* q,  // [NG, kdim]
       for (int t = 0; t < NT; ++t) acc[g][t] = Vec::fma(qv, kv[t], acc[g][t]);
     }
   }
-  for (int g = 0; g < NG; ++g)
-    for (int t = 0; t < NT; ++t) sc[g * kDecodeTile + j0 + t] = acc[g][t].hsum();
+  for (int g = 0; g < NG; ++g) {
+    int t = 0;
+    for (; t + 4 <= NT; t += 4) Vec::hsum4(&acc[g][t], sc + g * kDecodeTile + j0 + t);
+    for (; t < NT; ++t) sc[g * kDecodeTile + j0 + t] = acc[g][t].hsum();
+  }
 }
 
 /// acc_g += sum_t p[g, j0 + t] * v_t for NG accumulator rows and NT V rows: each chunk of
@@ -683,8 +686,11 @@ Status paged_decode_attention(exec::Host ex, PagedKVView<T> view,
     }
   });
   if (s.splits > 1) {
-    // Chunked pairs: fold chunk states in chunk order (fixed), then write the output.
-    detail::parallel_for(ex, pairs, [&](std::int64_t begin, std::int64_t end, int) {
+    // Chunked pairs: fold chunk states in chunk order (fixed), then write the output. A
+    // few KiB of states are merged on the calling thread (starting threads costs more).
+    const std::int64_t merge_floats = pairs * s.splits * s.group * s.vdim;
+    const exec::Host merge_ex = merge_floats < (std::int64_t{1} << 18) ? exec::Host{1} : ex;
+    detail::parallel_for(merge_ex, pairs, [&](std::int64_t begin, std::int64_t end, int) {
       for (std::int64_t pair = begin; pair < end; ++pair) {
         const std::int32_t b = static_cast<std::int32_t>(pair / s.hkv);
         const std::int32_t h = static_cast<std::int32_t>(pair % s.hkv);

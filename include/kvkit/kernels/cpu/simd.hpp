@@ -118,6 +118,15 @@ struct Vec {
     return _mm_cvtss_f32(x);
   }
   float hmax() const { return _mm512_reduce_max_ps(v); }
+  /// out[i] = x[i].hsum() for 4 vectors, sharing the shuffles (fixed order).
+  static void hsum4(const Vec* x, float* out) {  // x [4], out [4]
+    __m256 y[4];
+    for (int i = 0; i < 4; ++i)
+      y[i] = _mm256_add_ps(_mm512_castps512_ps256(x[i].v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x[i].v), 1)));
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  }
   /// 2^n for integral-valued n in [-126, 127].
   static Vec pow2i(Vec n) {
     const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
@@ -159,6 +168,10 @@ struct Vec {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
+  }
+  static void hsum4(const Vec* x, float* out) {  // x [4], out [4]
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(x[0].v, x[1].v), _mm256_hadd_ps(x[2].v, x[3].v));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
   }
   float hmax() const {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -204,6 +217,9 @@ struct Vec {
     return vget_lane_f32(s, 0) + vget_lane_f32(s, 1);
   }
   float hmax() const { return vmaxvq_f32(v); }
+  static void hsum4(const Vec* x, float* out) {  // x [4], out [4]
+    for (int i = 0; i < 4; ++i) out[i] = x[i].hsum();
+  }
   static Vec pow2i(Vec n) {
     const int32x4_t i = vaddq_s32(vcvtq_s32_f32(n.v), vdupq_n_s32(127));
     return {vreinterpretq_f32_s32(vshlq_n_s32(i, 23))};
@@ -247,6 +263,9 @@ struct Vec {
     return r;
   }
   float hsum() const { return (v[0] + v[2]) + (v[1] + v[3]); }
+  static void hsum4(const Vec* x, float* out) {  // x [4], out [4]
+    for (int i = 0; i < 4; ++i) out[i] = x[i].hsum();
+  }
   float hmax() const { return max(max(set1(v[0]), set1(v[1])), max(set1(v[2]), set1(v[3]))).v[0]; }
 };
 
