@@ -134,6 +134,34 @@ TEST_CASE("batched prefill matches token-by-token teacher forcing (small models)
   }
 }
 
+TEST_CASE("Prefiller::run gives the last token's logits (all prompt tokens in one pass)", "[prefill]") {
+  std::mt19937_64 rng(test_seed() + 3);
+  for (const NamedModel& m : small_models()) {
+    const auto prompt = random_prompt(45, m.ck->config().vocab_size, rng);
+    EngineOptions o;
+    o.page_size = 8;
+    o.layout = KVLayout::kHND;
+    const Run a = stepwise(m.ck, o, prompt);
+    Engine eng(m.ck, o);
+    std::vector<std::int32_t> pages;
+    for (int i = 0; i < 6; ++i) pages.push_back(eng.allocator().allocate());
+    std::vector<PagedKVView<float>> pools;
+    for (int l = 0; l < eng.config().n_layers; ++l)
+      pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
+                                    CsrPageTable{nullptr, nullptr, nullptr, 0}));
+    std::vector<float> logits(static_cast<std::size_t>(eng.config().vocab_size));
+    Prefiller pre(16);
+    REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
+    INFO(m.name);
+    CHECK(rel_err(logits, a.logits) < 1e-4);
+    // Too few pages or a position past seq_len are errors naming the values.
+    CHECK_THROWS_WITH(pre.run(eng.model(), pools.data(), {pages[0]}, prompt.data(), 45, 0, 0, nullptr),
+                      Catch::Contains("cannot hold 45 tokens"));
+    CHECK_THROWS_WITH(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, eng.config().seq_len, nullptr),
+                      Catch::Contains("exceeds the model's seq_len"));
+  }
+}
+
 TEST_CASE("prefill continues a cached prefix (extend_sequence) and copies a shared page", "[prefill]") {
   std::mt19937_64 rng(test_seed() + 1);
   const auto ck = small_models().back().ck;

@@ -46,17 +46,28 @@ class Prefiller {
     KVKIT_CHECK(chunk > 0, "kvkit: prefill chunk must be > 0, got ", chunk);
   }
 
-  /// Runs tokens[0, n) of one sequence through `eng`'s model: token i at RoPE position
+  /// Runs tokens[0, n) of one sequence through `model`: token i at RoPE position
   /// pos_start + i, its K/V written at cache index cache_start + i of `pages` (the
   /// sequence's page list, which must cover cache_start + n tokens, exclusively owned
   /// from cache index cache_start on), attending to cache indices [0, cache_start + i].
-  /// Writes the last token's logits to `last_logits` [vocab] when not null. Returns the
-  /// first failing kernel's Status; throws kvkit::Error on bad arguments.
-  Status run(Engine& eng, const std::vector<std::int32_t>& pages, const std::int32_t* tokens /* [n] */,
+  /// `pools` holds one view per layer over that layer's K/V pools (their page tables are
+  /// ignored: only storage, geometry and strides are used). Writes the last token's logits
+  /// to `last_logits` [vocab] when not null. Returns the first failing kernel's Status;
+  /// throws kvkit::Error on bad arguments.
+  Status run(Model& model, const PagedKVView<float>* pools /* [n_layers] */,
+             const std::vector<std::int32_t>& pages, const std::int32_t* tokens /* [n] */,
              std::int32_t n, std::int32_t cache_start, std::int32_t pos_start,
              float* last_logits /* [vocab] or null */) {
-    const ModelConfig& c = eng.config();
-    const std::int32_t ps = eng.options().page_size;
+    const ModelConfig& c = model.config();
+    KVKIT_CHECK(pools != nullptr, "kvkit: prefill needs the layers' pool views");
+    const std::int32_t ps = pools[0].page_size;
+    for (int l = 0; l < c.n_layers; ++l)
+      KVKIT_CHECK(pools[l].page_size == ps && pools[l].num_kv_heads == c.n_kv_heads &&
+                      pools[l].head_dim == c.head_dim() && pools[l].v_head_dim == c.head_dim(),
+                  "kvkit: prefill: layer ", l, " pool view (page size ", pools[l].page_size,
+                  ", kv heads ", pools[l].num_kv_heads, ", head_dim ", pools[l].head_dim,
+                  ") does not match the model (kv heads ", c.n_kv_heads, ", head_dim ",
+                  c.head_dim(), ") and layer 0 (page size ", ps, ")");
     KVKIT_CHECK(n >= 0 && cache_start >= 0 && pos_start >= 0, "kvkit: prefill of ", n,
                 " tokens at cache index ", cache_start, ", position ", pos_start);
     KVKIT_CHECK(static_cast<std::int64_t>(pos_start) + n <= c.seq_len, "kvkit: prefill to position ",
@@ -71,8 +82,8 @@ class Prefiller {
     for (std::int32_t done = 0; done < n;) {
       const std::int32_t m = std::min(chunk_, n - done);
       const bool last = done + m == n;
-      KVKIT_RETURN_IF_ERROR(run_chunk(eng, pages, tokens + done, m, cache_start + done, pos_start + done,
-                                      last ? last_logits : nullptr));
+      KVKIT_RETURN_IF_ERROR(run_chunk(model, pools, pages, tokens + done, m, cache_start + done,
+                                      pos_start + done, last ? last_logits : nullptr));
       done += m;
     }
     return Status::ok();
@@ -131,14 +142,15 @@ class Prefiller {
     }
   }
 
-  Status run_chunk(Engine& eng, const std::vector<std::int32_t>& pages, const std::int32_t* tokens,
-                   std::int32_t n, std::int32_t cache_start, std::int32_t pos_start, float* last_logits) {
-    const ModelConfig& c = eng.config();
-    const Checkpoint& ck = eng.model().checkpoint();
-    const exec::Host ex = eng.model().exec();
-    const DecodeAttentionParams ap = eng.model().attention_params();
+  Status run_chunk(Model& model, const PagedKVView<float>* pools, const std::vector<std::int32_t>& pages,
+                   const std::int32_t* tokens, std::int32_t n, std::int32_t cache_start,
+                   std::int32_t pos_start, float* last_logits) {
+    const ModelConfig& c = model.config();
+    const Checkpoint& ck = model.checkpoint();
+    const exec::Host ex = model.exec();
+    const DecodeAttentionParams ap = model.attention_params();
     const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
-    const std::int32_t ps = eng.options().page_size;
+    const std::int32_t ps = pools[0].page_size;
     const std::size_t N = static_cast<std::size_t>(n);
     x_.resize(N * dim);
     xb_.resize(N * dim);
@@ -170,9 +182,15 @@ class Prefiller {
       x.col(i) = Eigen::Map<const Eigen::VectorXf>(
           ck.token_embedding() + static_cast<std::size_t>(tokens[i]) * dim, dim);
     for (int l = 0; l < c.n_layers; ++l) {
-      const PagedKVView<float> view =
-          make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
-                        CsrPageTable{indptr_.data(), indices_.data(), last_len_.data(), n});
+      PagedKVView<float> view = pools[l];  // the layer's storage, this chunk's causal table
+      view.table_kind = PageTableKind::kCsr;
+      view.batch_size = n;
+      view.indptr = indptr_.data();
+      view.indices = indices_.data();
+      view.last_page_len = last_len_.data();
+      view.block_table = nullptr;
+      view.row_stride = 0;
+      view.seq_lens = nullptr;
       rmsnorm(x, ck.rms_att(l), c.norm_eps, xb);
       gemm(ex, W(ck.wq(l), dim, dim), xb, q);
       gemm(ex, W(ck.wk(l), kv, dim), xb, k);
@@ -262,7 +280,11 @@ inline PrefillResult prefill_sequence(Engine& eng, SeqId id, Prefiller& pre) {
     pages.push_back(eng.allocator().try_allocate());
     added.push_back(pages.back());
   }
-  const Status st = pre.run(eng, pages, tokens.data() + pos, n, cached, pos, nullptr);
+  std::vector<PagedKVView<float>> pools;
+  for (int l = 0; l < eng.config().n_layers; ++l)
+    pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
+                                  CsrPageTable{nullptr, nullptr, nullptr, 0}));
+  const Status st = pre.run(eng.model(), pools.data(), pages, tokens.data() + pos, n, cached, pos, nullptr);
   if (!st.is_ok()) {
     for (std::int32_t p : pages) eng.allocator().release(p);
     fail("kvkit: batched prefill failed: ", st.to_string());
