@@ -230,7 +230,72 @@ struct Vec {
   }
 };
 
-#else  // portable: 4 floats in plain C++, which compilers map to SSE2 / whatever exists
+#elif defined(__GNUC__) || defined(__clang__)  // portable: GCC/Clang vector extensions
+
+// 4 floats as a compiler vector type: SSE2 on x86-64 baseline, whatever the target has
+// elsewhere, and never an instruction the consumer's flags do not allow.
+typedef float KvkitF32x4 __attribute__((vector_size(16)));
+
+struct Vec {
+  static constexpr int kLanes = 4;
+  KvkitF32x4 v;
+  static Vec zero() { return {KvkitF32x4{0.f, 0.f, 0.f, 0.f}}; }
+  static Vec set1(float x) { return {KvkitF32x4{x, x, x, x}}; }
+  static Vec load(const float* p) {  // [4]
+    Vec r;
+    std::memcpy(&r.v, p, sizeof r.v);
+    return r;
+  }
+  typedef std::int32_t I32x4 __attribute__((vector_size(16)));
+  typedef std::uint16_t U16x4 __attribute__((vector_size(8)));
+  static I32x4 widen(const void* p) {  // [4] 16-bit words, zero-extended
+    U16x4 h;
+    std::memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, I32x4);
+  }
+  /// detail::half_bits_to_float on 4 lanes (same integer steps, so the same bits).
+  static Vec load(const half_t* p) {  // [4]
+    const I32x4 h = widen(p);
+    const I32x4 sign = (h & 0x8000) << 16;
+    const I32x4 em = h & 0x7fff;
+    const I32x4 is_sub = em < 0x0400;     // all ones where subnormal or zero
+    const I32x4 is_spec = em >= 0x7c00;   // inf, nan
+    const I32x4 normal = (em << 13) + 0x38000000 + (is_spec & 0x38000000);
+    KvkitF32x4 f;
+    const I32x4 biased = (em << 13) + 0x38800000;
+    std::memcpy(&f, &biased, sizeof f);
+    f = f - KvkitF32x4{6.103515625e-05f, 6.103515625e-05f, 6.103515625e-05f, 6.103515625e-05f};
+    I32x4 sub;
+    std::memcpy(&sub, &f, sizeof sub);
+    const I32x4 bits = sign | (normal & ~is_sub) | (sub & is_sub);
+    Vec r;
+    std::memcpy(&r.v, &bits, sizeof r.v);
+    return r;
+  }
+  static Vec load(const bfloat16_t* p) {  // [4]
+    const I32x4 bits = widen(p) << 16;
+    Vec r;
+    std::memcpy(&r.v, &bits, sizeof r.v);
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, &v, sizeof v); }  // [4]
+  friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+  friend Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+  friend Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+  static Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
+  float hsum() const { return (v[0] + v[2]) + (v[1] + v[3]); }
+  float hmax() const {
+    const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+    return a > b ? a : b;
+  }
+  static void hsum4(const Vec* x, float* out) {  // x [4], out [4]
+    for (int i = 0; i < 4; ++i) out[i] = x[i].hsum();
+  }
+};
+
+#else  // portable, other compilers: 4 floats in plain C++
 
 struct Vec {
   static constexpr int kLanes = 4;
