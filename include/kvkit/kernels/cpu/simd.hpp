@@ -4,6 +4,7 @@
 //
 // The instruction set is chosen from the consumer's compiler flags, never at run time:
 //   __AVX512F__                      -> 16-lane AVX-512 (vcvtph2ps zmm, FMA)   "avx512"
+//                                       (-mavx512f suffices; it implies AVX2)
 //   __AVX2__ + __FMA__ + __F16C__    -> 8-lane AVX2 (vcvtph2ps ymm, FMA)       "avx2"
 //   __ARM_NEON on AArch64            -> 4-lane NEON (fcvtl, fmla)              "neon"
 //   otherwise (x86-64 baseline, ...) -> portable C++ over the scalar converters "portable"
@@ -482,7 +483,17 @@ inline void convert(const float* src,  // [n]
                     half_t* dst,       // [n]
                     std::size_t n) {
   std::size_t i = 0;
-#if defined(KVKIT_SIMD_AVX512) || defined(KVKIT_SIMD_AVX2)
+#if defined(KVKIT_SIMD_AVX512)
+  // AVX512F alone (-mavx512f) does not imply F16C, so use the 512-bit conversion.
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    const __m256i em = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
+    const __m256i nan = _mm256_cmpgt_epi16(em, _mm256_set1_epi16(0x7c00));
+    const __m256i qn = _mm256_or_si256(
+        _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0x8000))), _mm256_set1_epi16(0x7e00));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_blendv_epi8(h, qn, nan));
+  }
+#elif defined(KVKIT_SIMD_AVX2)
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
     const __m128i em = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
