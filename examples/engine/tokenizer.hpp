@@ -17,7 +17,12 @@
 // \p{L}, \p{N} and \s come from compact range tables taken from llama.cpp's Unicode data
 // (unicode-data.cpp), so category edge cases agree with it too.
 //
-// decode() inverts the byte mapping, so decode(encode(s)) == s for any valid UTF-8 s.
+// decode() inverts the byte mapping, so decode(encode(s)) == s for any valid UTF-8 s whose
+// bytes all have a token. A vocabulary may lack some byte tokens (SmolLM2 lacks 21: the
+// controls 0x04 0x06 0x13 0x14 0x16 0x1D, and the lead bytes 0xC0 0xC1 0xF1 0xF2 0xF5-0xFF,
+// so U+40000..U+BFFFF, all unassigned); llama.cpp then drops such a byte when BPE cannot
+// merge it into a longer token, and so does this tokenizer, to keep the ids identical.
+// has_byte_token() tells which bytes are covered.
 
 #include <algorithm>
 #include <cstdint>
@@ -487,6 +492,9 @@ class Tokenizer {
   TokenType token_type(std::int32_t id) const { check_id(id); return static_cast<TokenType>(types_[id]); }
   /// The raw vocabulary string of `id` (GPT-2 byte alphabet for normal tokens).
   const std::string& token_text(std::int32_t id) const { check_id(id); return tokens_[id]; }
+  /// Whether byte `b` has a token of its own. Text whose bytes all do round-trips exactly;
+  /// an uncovered byte that BPE leaves alone is dropped, as llama.cpp drops it.
+  bool has_byte_token(std::uint8_t b) const { return token_to_id_.count(byte_to_piece_[b]) != 0; }
   /// The id whose vocabulary string is exactly `text`, or -1.
   std::int32_t find_token(std::string_view text) const {
     auto it = token_to_id_.find(std::string(text));
@@ -696,7 +704,8 @@ class Tokenizer {
         out.push_back(it->second);
         continue;
       }
-      // Not in the vocabulary: one token per byte that is one (as llama.cpp does).
+      // Not in the vocabulary: one token per byte of the piece string that is a token, the
+      // rest dropped (llama.cpp does exactly this; only reached for bytes without a token).
       for (std::size_t i = 0; i < s.n; ++i) {
         auto b = token_to_id_.find(std::string(1, word[s.start + i]));
         if (b != token_to_id_.end()) out.push_back(b->second);
