@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <fstream>
 #include <random>
@@ -394,6 +396,32 @@ TEST_CASE("tokenizer: SmolLM2 matches llama.cpp", "[tokenizer][model]") {
       ++n;
     }
     CHECK(n >= 5);
+  }
+
+  SECTION("a conversation's tokens extend its earlier turns' tokens") {
+    // Every message starts with the special <|im_start|>, which splits the text before BPE,
+    // so tokens of the first k turns are a prefix of the tokens of the whole conversation:
+    // a chat can keep its KV and encode only the new turns.
+    const std::vector<ChatMessage> msgs = {{"user", "Hi there!"},
+                                           {"assistant", "Hello! How can I help?"},
+                                           {"user", "  Tell me  about 1999 \n\n"},
+                                           {"assistant", "Sure."}};
+    const auto all = ct.encode(tok, msgs, false);
+    for (std::size_t k = 1; k < msgs.size(); ++k) {
+      INFO("first " << k << " messages");
+      const std::vector<ChatMessage> head(msgs.begin(), msgs.begin() + static_cast<std::ptrdiff_t>(k));
+      const auto part = ct.encode(tok, head, false);
+      REQUIRE(part.size() < all.size());
+      CHECK(std::equal(part.begin(), part.end(), all.begin()));
+      // The new turns alone, rendered without the default system message.
+      std::string rest;
+      for (std::size_t i = k; i < msgs.size(); ++i)
+        rest += "<|im_start|>" + msgs[i].role + "\n" + msgs[i].content + "<|im_end|>\n";
+      std::vector<std::int32_t> joined = part;
+      const auto tail = tok.encode(rest, false, true);
+      joined.insert(joined.end(), tail.begin(), tail.end());
+      CHECK(joined == all);
+    }
   }
 
   SECTION("round trip on random UTF-8") {
