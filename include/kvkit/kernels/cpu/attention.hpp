@@ -611,6 +611,13 @@ Status check_decode_variants(const PagedKVView<T>& view, const DecodeAttentionPa
 }  // namespace cpu
 }  // namespace detail
 
+// The public entry points live in an inline namespace named after the instruction set too:
+// a program whose translation units are built with different flags (one with -mavx512f,
+// one for x86-64 baseline) then links two differently named instantiations instead of
+// letting the linker pick one body for both (an ODR violation that could run AVX-512 code
+// from the baseline unit). Callers still write kvkit::paged_decode_attention.
+inline namespace KVKIT_SIMD_NS {
+
 /// Bytes of workspace paged_decode_attention needs for this view and params. Depends on
 /// the batch size, heads, head dims and GQA group only (not on sequence lengths or the
 /// thread count), so one allocation serves every step of a batch shape.
@@ -773,4 +780,5 @@ Status merge_attention_states(exec::Host ex,
   return Status::ok();
 }
 
+}  // namespace KVKIT_SIMD_NS
 }  // namespace kvkit
