@@ -1,0 +1,541 @@
+#pragma once
+// R1KV (R-KV) token eviction: the exact algorithm of ../shared/specs/r1kv.md, as a
+// Compressor policy that picks, per (sequence, kv head), which cache slots to keep.
+//
+// The math, one layer, one sequence, KV head h (S slots, window w, budget Bud, G = Hq/Hkv):
+//   1. l[r,j]  = max_g <q[hG+g, r], k[h,j]> / sqrt(D)   for the last R = min(w, Lq) query
+//                rows r and candidates j in [0, S-w)          (detail::importance)
+//   2. p[r,.]  = softmax_j l[r,.] in float32;  a[j] = mean_r p[r,j]
+//   3. I[j]    = max_{|j'-j| <= kernel/2, 0 <= j' < S-w} a[j']  (max-pool, truncated edges)
+//   4. n_j     = k_j / (|k_j|_2 + 1e-8);  C[i,j] = <n_i,n_j>, C[i,i] = 0
+//      r(i)    = max{ j : C[i,j] > thr } or 0;  C[i,r(i)] = 0
+//      m_j     = (1/S) sum_i C[i,j]   (all rows, raw cosines incl. negatives)
+//      Rd      = softmax_j m  over all S columns, first S-w kept   (detail::redundancy)
+//   5. Z[j]    = lambda I[j] - (1-lambda) Rd[j]
+//   6. keep the Bud-w largest Z (ties: lower slot first), then the last w slots.
+//      KeepOrder::kReference: selected in descending Z, then the window (what the
+//      reference returns; consecutive compressions need it because step 3 pools over slot
+//      order); KeepOrder::kPositional: all kept slots ascending.
+// S < Bud: nothing happens (num_keep = S, keep = 0..S-1). S == Bud: Bud slots, possibly
+// reordered (reference order).
+//
+// How step 4 runs in O(S) memory and mostly O(S*D) time: sum_i C[i,j] = <sum_i n_i, n_j>
+// - <n_j,n_j> - sum_{i : r(i)=j, i != j} <n_i,n_j>, so only the search for r(i) touches
+// pairs, and it scans j from S-1 downward and stops at the first cosine above thr (rows
+// in blocks of 4 share each key load). Random keys (no near-duplicates) make that scan
+// full, O(S^2 D); real keys stop early. Sums are taken in double, so scores differ from a
+// float64 evaluation only by the float32 logits/softmax/normalised keys (relative ~1e-6):
+// kept sets are identical except where two scores are that close (near-ties).
+//
+// Deliberate differences from the reference code (each a fix):
+// - batches: the reference computes redundancy from batch element 0 for every element;
+//   here each sequence uses its own keys (identical for batch size 1).
+// - only retain_direction="last" (the reference default); the "first" variants are
+//   degenerate upstream.
+//
+// Other scorers of the same pipeline (same Params, same select API, so they compare at
+// equal budgets) are in <kvkit/compressor/scorers.hpp>: SnapKV (Z = I, no redundancy) and
+// StreamingLLM (sinks + most recent). This header includes no other policy.
+//
+// Execution: exec::Host only (plain loops written to vectorise; parallel over kv heads).
+// TODO(CUDA, later task): an exec::Cuda overload of workspace_size/select with kernels in
+// kernels/cuda/ (scores, softmax, pooling, redundancy, top-k), no host sync or allocation,
+// parity-tested against this CPU twin (exact kept sets).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kvkit/core/dtype.hpp"
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/exec.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/core/workspace.hpp"
+#include "kvkit/kernels/cpu/checks.hpp"
+#include "kvkit/kernels/cpu/parallel.hpp"
+
+namespace kvkit {
+namespace compressor {
+
+/// Order of the kept slots of one (sequence, kv head).
+enum class KeepOrder : unsigned char {
+  kReference = 0,  // selected slots by descending score (ties: lower slot first), then window
+  kPositional = 1  // every kept slot ascending: compact_tokens' fast (in-place) path
+};
+
+/// Settings shared by every scorer of the pipeline (defaults: the spec's). Checked by
+/// validate(), which Compressor's constructor calls: a kvkit::Error names the bad value.
+struct Params {
+  std::int32_t budget = 0;            // Bud: slots kept per kv head after a compression
+  std::int32_t window = 8;            // w: last slots always kept; also the query rows used
+  std::int32_t kernel = 7;            // max-pool width over slot order (odd)
+  float lambda = 0.07f;               // mix: Z = lambda I - (1 - lambda) Rd
+  std::int32_t buffer = 128;          // the engine compresses when seq_len >= budget + buffer
+  float similarity_threshold = 0.5f;  // cosine above which a key is a near-duplicate
+  std::int32_t sinks = 4;             // StreamingLLM only: first slots kept (at most budget-window)
+  KeepOrder order = KeepOrder::kReference;
+
+  /// Throws kvkit::Error naming the first value out of range.
+  void validate() const {
+    KVKIT_CHECK(window > 0, "compressor: window must be > 0, got ", window);
+    KVKIT_CHECK(budget > window, "compressor: budget must be > window (", window, "), got ",
+                budget);
+    KVKIT_CHECK(kernel >= 1 && kernel % 2 == 1, "compressor: kernel must be odd and >= 1, got ",
+                kernel);
+    KVKIT_CHECK(lambda >= 0.f && lambda <= 1.f, "compressor: lambda must be in [0, 1], got ",
+                lambda);
+    KVKIT_CHECK(buffer >= 0, "compressor: buffer must be >= 0, got ", buffer);
+    KVKIT_CHECK(similarity_threshold >= -1.f && similarity_threshold <= 1.f,
+                "compressor: similarity_threshold must be in [-1, 1], got ", similarity_threshold);
+    KVKIT_CHECK(sinks >= 0, "compressor: sinks must be >= 0, got ", sinks);
+    KVKIT_CHECK(order == KeepOrder::kReference || order == KeepOrder::kPositional,
+                "compressor: unknown order ", static_cast<int>(order));
+  }
+};
+
+/// Shape of one select call (or, for workspace_size, the largest call planned).
+struct Shape {
+  std::int32_t num_kv_heads = 0;  // Hkv
+  std::int32_t num_q_heads = 0;   // Hq, a multiple of Hkv (query head h*G+g reads kv head h)
+  std::int32_t head_dim = 0;      // D of keys and queries
+  std::int32_t seq_len = 0;       // S (for workspace_size: the largest S, e.g. budget+buffer)
+  std::int32_t num_queries = 0;   // Lq rows in the query window (only the last `window` used)
+};
+
+/// The R1KV scorer: attention importance mixed with key redundancy (spec step 5).
+struct R1KV {
+  static constexpr const char* kName = "r1kv";
+  static constexpr bool kUsesAttention = true;
+  static constexpr bool kUsesRedundancy = true;
+  static double score(const Params& p, double importance, double redundancy, std::int32_t,
+                      std::int32_t) {
+    const double lam = p.lambda;
+    return lam * importance - (1.0 - lam) * redundancy;
+  }
+};
+
+namespace detail {
+
+/// Four dot products <a_r, b> over D floats. Eight independent lanes per row so that
+/// compilers vectorise without -ffast-math (no reassociation of one running sum).
+inline void dot4(const float* a0, const float* a1, const float* a2, const float* a3,  // [D] each
+                 const float* b,                                                      // [D]
+                 std::int32_t dim, float out[4]) {
+  float s0[8] = {}, s1[8] = {}, s2[8] = {}, s3[8] = {};
+  std::int32_t d = 0;
+  for (; d + 8 <= dim; d += 8) {
+    for (int l = 0; l < 8; ++l) {
+      const float bv = b[d + l];
+      s0[l] += a0[d + l] * bv;
+      s1[l] += a1[d + l] * bv;
+      s2[l] += a2[d + l] * bv;
+      s3[l] += a3[d + l] * bv;
+    }
+  }
+  for (; d < dim; ++d) {
+    s0[d & 7] += a0[d] * b[d];
+    s1[d & 7] += a1[d] * b[d];
+    s2[d & 7] += a2[d] * b[d];
+    s3[d & 7] += a3[d] * b[d];
+  }
+  float r[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int l = 0; l < 8; ++l) {
+    r[0] += s0[l];
+    r[1] += s1[l];
+    r[2] += s2[l];
+    r[3] += s3[l];
+  }
+  for (int i = 0; i < 4; ++i) out[i] = r[i];
+}
+
+inline double dot_double(const float* a, const float* b, std::int32_t dim) {  // [D], [D]
+  double s = 0.0;
+  for (std::int32_t d = 0; d < dim; ++d) s += static_cast<double>(a[d]) * b[d];
+  return s;
+}
+
+/// Per-head scratch of the pipeline, carved from one worker's slab.
+struct HeadScratch {
+  float* keys = nullptr;    // [S, D] raw keys as float
+  float* normed = nullptr;  // [S, D] n_j = k_j / (|k_j| + 1e-8)
+  float* queries = nullptr; // [G*R, D] this head's query rows
+  float* logits = nullptr;  // [R, S-w] GQA-max-pooled logits
+  double* attn = nullptr;   // [S] a[j], then reused
+  double* imp = nullptr;    // [S] I[j]
+  double* red = nullptr;    // [S] m_j, then Rd
+  double* score = nullptr;  // [S] Z[j]
+  std::int32_t* near = nullptr;  // [S] r(i)
+  std::int32_t* order = nullptr; // [S] candidate slots being ranked
+  double* nsum = nullptr;   // [D] sum_i n_i
+};
+
+inline WorkspaceSizer& size_head_scratch(WorkspaceSizer& w, std::size_t s, std::size_t d,
+                                         std::size_t gr, std::size_t r) {
+  return w.add<float>(s * d).add<float>(s * d).add<float>(gr * d).add<float>(r * s)
+      .add<double>(s).add<double>(s).add<double>(s).add<double>(s)
+      .add<std::int32_t>(s).add<std::int32_t>(s).add<double>(d);
+}
+
+inline bool carve_head_scratch(WorkspaceCarver& c, std::size_t s, std::size_t d, std::size_t gr,
+                               std::size_t r, HeadScratch& h) {
+  h.keys = c.take<float>(s * d);
+  h.normed = c.take<float>(s * d);
+  h.queries = c.take<float>(gr * d);
+  h.logits = c.take<float>(r * s);
+  h.attn = c.take<double>(s);
+  h.imp = c.take<double>(s);
+  h.red = c.take<double>(s);
+  h.score = c.take<double>(s);
+  h.near = c.take<std::int32_t>(s);
+  h.order = c.take<std::int32_t>(s);
+  h.nsum = c.take<double>(d);
+  return h.nsum != nullptr;
+}
+
+/// Steps 1-3: importance I[j] for candidates j < n_cand (= S - w). queries: [G*R, D]
+/// (row g*R + r), keys: [S, D]. Logits and softmax in float32, as the reference.
+inline void importance(const float* queries, const float* keys, std::int32_t groups,
+                       std::int32_t rows, std::int32_t n_cand, std::int32_t dim,
+                       std::int32_t kernel, float* logits, double* attn, double* imp) {
+  const float inv_norm = std::sqrt(static_cast<float>(dim));
+  const std::int32_t gr = groups * rows;
+  float tmp[4];
+  for (std::int32_t j = 0; j < n_cand; ++j) {
+    const float* kj = keys + static_cast<std::int64_t>(j) * dim;
+    for (std::int32_t r = 0; r < rows; ++r) logits[static_cast<std::int64_t>(r) * n_cand + j] =
+        -std::numeric_limits<float>::infinity();
+    for (std::int32_t q0 = 0; q0 < gr; q0 += 4) {
+      const float* qa[4];
+      for (int t = 0; t < 4; ++t)
+        qa[t] = queries + static_cast<std::int64_t>(std::min(q0 + t, gr - 1)) * dim;
+      dot4(qa[0], qa[1], qa[2], qa[3], kj, dim, tmp);
+      for (int t = 0; t < 4 && q0 + t < gr; ++t) {
+        float& l = logits[static_cast<std::int64_t>((q0 + t) % rows) * n_cand + j];
+        l = std::max(l, tmp[t]);  // GQA max over the group, on raw logits
+      }
+    }
+  }
+  for (std::int32_t j = 0; j < n_cand; ++j) attn[j] = 0.0;
+  for (std::int32_t r = 0; r < rows; ++r) {
+    float* l = logits + static_cast<std::int64_t>(r) * n_cand;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (std::int32_t j = 0; j < n_cand; ++j) {
+      l[j] /= inv_norm;
+      mx = std::max(mx, l[j]);
+    }
+    double sum = 0.0;
+    for (std::int32_t j = 0; j < n_cand; ++j) {
+      l[j] = std::exp(l[j] - mx);
+      sum += l[j];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (std::int32_t j = 0; j < n_cand; ++j) attn[j] += static_cast<double>(l[j] * inv);
+  }
+  for (std::int32_t j = 0; j < n_cand; ++j) attn[j] /= rows;
+  const std::int32_t half = kernel / 2;
+  for (std::int32_t j = 0; j < n_cand; ++j) {
+    double m = attn[j];
+    const std::int32_t lo = std::max(0, j - half), hi = std::min(n_cand - 1, j + half);
+    for (std::int32_t t = lo; t <= hi; ++t) m = std::max(m, attn[t]);
+    imp[j] = m;
+  }
+}
+
+/// Step 4: Rd[j] for all S slots (into red). normed: [S, D]. near: [S] receives r(i).
+inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, float thr,
+                       std::int32_t* near, double* nsum, double* red) {
+  // r(i): most recent j != i with cosine > thr, rows in blocks of 4 scanning j downward.
+  float c[4];
+  for (std::int32_t i0 = 0; i0 < s; i0 += 4) {
+    const float* a[4];
+    bool open[4];
+    int left = 0;
+    for (int t = 0; t < 4; ++t) {
+      const std::int32_t i = std::min(i0 + t, s - 1);
+      a[t] = normed + static_cast<std::int64_t>(i) * dim;
+      open[t] = i0 + t < s;
+      left += open[t];
+      if (open[t]) near[i0 + t] = 0;
+    }
+    for (std::int32_t j = s - 1; j >= 0 && left > 0; --j) {
+      dot4(a[0], a[1], a[2], a[3], normed + static_cast<std::int64_t>(j) * dim, dim, c);
+      for (int t = 0; t < 4; ++t) {
+        if (open[t] && j != i0 + t && c[t] > thr) {
+          near[i0 + t] = j;
+          open[t] = false;
+          --left;
+        }
+      }
+    }
+  }
+  // Column sums: <sum_i n_i, n_j> - <n_j, n_j> - sum_{r(i) = j, i != j} <n_i, n_j>.
+  for (std::int32_t d = 0; d < dim; ++d) nsum[d] = 0.0;
+  for (std::int32_t i = 0; i < s; ++i) {
+    const float* n = normed + static_cast<std::int64_t>(i) * dim;
+    for (std::int32_t d = 0; d < dim; ++d) nsum[d] += n[d];
+  }
+  for (std::int32_t j = 0; j < s; ++j) {
+    const float* n = normed + static_cast<std::int64_t>(j) * dim;
+    double t = 0.0, self = 0.0;
+    for (std::int32_t d = 0; d < dim; ++d) {
+      t += nsum[d] * n[d];
+      self += static_cast<double>(n[d]) * n[d];
+    }
+    red[j] = t - self;
+  }
+  for (std::int32_t i = 0; i < s; ++i) {
+    const std::int32_t j = near[i];
+    if (j != i)
+      red[j] -= dot_double(normed + static_cast<std::int64_t>(i) * dim,
+                           normed + static_cast<std::int64_t>(j) * dim, dim);
+  }
+  double mx = -std::numeric_limits<double>::infinity();
+  for (std::int32_t j = 0; j < s; ++j) {
+    red[j] /= s;
+    mx = std::max(mx, red[j]);
+  }
+  double sum = 0.0;
+  for (std::int32_t j = 0; j < s; ++j) {
+    red[j] = std::exp(red[j] - mx);
+    sum += red[j];
+  }
+  for (std::int32_t j = 0; j < s; ++j) red[j] /= sum;
+}
+
+/// Step 6 for one head: writes Bud slots to keep (score: [S-w]; order: [S-w] scratch).
+inline void select_slots(const double* score, std::int32_t s, std::int32_t window,
+                         std::int32_t budget, KeepOrder ko, std::int32_t* order,
+                         std::int32_t* keep) {  // [budget]
+  const std::int32_t n_cand = s - window, k = budget - window;
+  for (std::int32_t j = 0; j < n_cand; ++j) order[j] = j;
+  auto better = [score](std::int32_t a, std::int32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  };
+  if (k < n_cand) std::nth_element(order, order + k, order + n_cand, better);
+  if (ko == KeepOrder::kReference)
+    std::sort(order, order + k, better);
+  else
+    std::sort(order, order + k);
+  for (std::int32_t i = 0; i < k; ++i) keep[i] = order[i];
+  for (std::int32_t i = 0; i < window; ++i) keep[k + i] = n_cand + i;
+}
+
+}  // namespace detail
+
+/// A Compressor policy: picks, per (sequence, kv head), the `budget` cache slots to keep,
+/// scoring candidates with `Scorer` (R1KV here; SnapKV / StreamingLLM in scorers.hpp).
+///
+/// Engine use (after a decode step, for each sequence b with seq_len >= budget + buffer,
+/// see should_compress): call select(...) with b's keys (straight from the PagedKVView, or
+/// dense [Hkv, S, D] buffers from gather_tokens) and the layer's last `window` post-RoPE
+/// queries [Hq, Lq, D], writing keep + b*Hkv*keep_stride and num_keep[b]; then
+/// compact_tokens(ex, view, keep, num_keep, keep_stride, ws) and shrink seq_len(b) to
+/// num_keep[b], returning the pages past it. keep_stride >= budget. Reference order keeps
+/// multi-step parity with the reference (compact_tokens stages it through its workspace);
+/// positional order gives strictly ascending lists (compact_tokens' in-place fast path)
+/// but changes later compressions (step 3 pools over slot order). When S < budget,
+/// num_keep = S and keep = 0..S-1: nothing to compact. Run paths never allocate or throw.
+template <class Scorer>
+class Compressor {
+ public:
+  /// Validates p (kvkit::Error naming the bad value).
+  explicit Compressor(const Params& p, Scorer scorer = Scorer{}) : params_(p), scorer_(scorer) {
+    p.validate();
+  }
+
+  const Params& params() const { return params_; }
+  const Scorer& scorer() const { return scorer_; }
+
+  /// True when a sequence of seq_len tokens is due for compression (>= budget + buffer).
+  bool should_compress(std::int32_t seq_len) const {
+    return static_cast<std::int64_t>(seq_len) >=
+           static_cast<std::int64_t>(params_.budget) + params_.buffer;
+  }
+
+  /// Slots a sequence of seq_len tokens holds after select: min(seq_len, budget).
+  std::int32_t num_keep(std::int32_t seq_len) const { return std::min(seq_len, params_.budget); }
+
+  /// Scratch bytes select needs for calls up to `max` (largest S and Lq) under `ex`.
+  std::size_t workspace_size(exec::Host ex, const Shape& max) const {
+    if (max.num_kv_heads <= 0 || max.head_dim <= 0 || max.seq_len <= 0) return 0;
+    const std::size_t workers = static_cast<std::size_t>(
+        kvkit::detail::host_workers(ex, max.num_kv_heads));
+    WorkspaceSizer w;
+    w.add<std::int32_t>(static_cast<std::size_t>(max.num_kv_heads));  // per-head status
+    for (std::size_t i = 0; i < workers; ++i) size_slab(w, max);
+    return w.bytes();
+  }
+
+  /// Selects the kept slots of one sequence from dense buffers. keys: [Hkv, S, D];
+  /// queries: [Hq, Lq, D] (the layer's last Lq <= window queries, current one last;
+  /// ignored by scorers that need none and then may be null). Writes num_keep[0] and
+  /// keep[h*keep_stride + i] for i < num_keep[0]. kInvalidArgument for a bad shape, a small
+  /// workspace or keep_stride, or non-finite scores (NaN/inf keys or queries).
+  template <class T>
+  Status select(exec::Host ex, const T* keys,  // [Hkv, S, D]
+                const T* queries,              // [Hq, Lq, D]
+                const Shape& shape,
+                std::int32_t* keep,       // [Hkv, keep_stride]
+                std::int32_t keep_stride,
+                std::int32_t* num_keep,   // [1]
+                Workspace ws) const {
+    KVKIT_CHECK_STATUS(keys != nullptr || shape.seq_len == 0, StatusCode::kInvalidArgument,
+                       "compressor: keys is null");
+    const std::int64_t s = shape.seq_len, d = shape.head_dim;
+    auto key_row = [keys, s, d](std::int32_t h, std::int32_t j) {
+      return keys + (static_cast<std::int64_t>(h) * s + j) * d;
+    };
+    return run(ex, key_row, queries, shape, keep, keep_stride, num_keep, ws);
+  }
+
+  /// Same, reading sequence `seq`'s keys straight from a host PagedKVView (S = its
+  /// seq_len, D = view.head_dim, Hkv = view.num_kv_heads). kOutOfRange for a bad sequence
+  /// or page table.
+  template <class T>
+  Status select(exec::Host ex, const PagedKVView<T>& view, std::int32_t seq,
+                const T* queries,  // [Hq, Lq, D]
+                std::int32_t num_q_heads, std::int32_t num_queries,
+                std::int32_t* keep,      // [Hkv, keep_stride]
+                std::int32_t keep_stride,
+                std::int32_t* num_keep,  // [1]
+                Workspace ws) const {
+    KVKIT_RETURN_IF_ERROR(kvkit::detail::check_host_view(view, /*check_table=*/false));
+    KVKIT_CHECK_STATUS(seq >= 0 && seq < view.batch_size, StatusCode::kOutOfRange,
+                       "compressor: sequence ", seq, " out of range [0, ", view.batch_size, ")");
+    KVKIT_RETURN_IF_ERROR(kvkit::detail::check_sequence_pages(view, seq));
+    const Shape shape{view.num_kv_heads, num_q_heads, view.head_dim, view.seq_len(seq),
+                      num_queries};
+    auto key_row = [&view, seq](std::int32_t h, std::int32_t j) {
+      return static_cast<const T*>(view.k_ptr(seq, j, h));
+    };
+    return run(ex, key_row, queries, shape, keep, keep_stride, num_keep, ws);
+  }
+
+ private:
+  static std::int32_t rows_used(const Params& p, const Shape& sh) {
+    return std::max<std::int32_t>(1, std::min(p.window, sh.num_queries));
+  }
+
+  void size_slab(WorkspaceSizer& w, const Shape& sh) const {
+    const std::size_t s = static_cast<std::size_t>(sh.seq_len), d = sh.head_dim;
+    const std::size_t r = Scorer::kUsesAttention ? rows_used(params_, sh) : 0;
+    const std::size_t g = sh.num_kv_heads > 0 && Scorer::kUsesAttention
+                              ? static_cast<std::size_t>(std::max(1, sh.num_q_heads / sh.num_kv_heads))
+                              : 0;
+    detail::size_head_scratch(w, s, d, g * r, r);
+  }
+
+  template <class KeyRow, class T>
+  Status run(exec::Host ex, KeyRow key_row, const T* queries, const Shape& sh,
+             std::int32_t* keep, std::int32_t keep_stride, std::int32_t* num_keep,
+             Workspace ws) const {
+    const Params& p = params_;
+    const std::int32_t hkv = sh.num_kv_heads, dim = sh.head_dim, s = sh.seq_len;
+    KVKIT_CHECK_STATUS(hkv > 0 && dim > 0 && s >= 0, StatusCode::kInvalidArgument,
+                       "compressor: bad shape (Hkv ", hkv, ", D ", dim, ", S ", s, ")");
+    KVKIT_CHECK_STATUS(num_keep != nullptr && keep != nullptr, StatusCode::kInvalidArgument,
+                       "compressor: keep or num_keep is null");
+    const std::int32_t out_n = std::min(s, p.budget);
+    KVKIT_CHECK_STATUS(keep_stride >= out_n, StatusCode::kInvalidArgument,
+                       "compressor: keep_stride ", keep_stride, " < ", out_n, " kept slots");
+    if (s < p.budget) {  // step 0: nothing happens
+      for (std::int32_t h = 0; h < hkv; ++h)
+        for (std::int32_t i = 0; i < s; ++i) keep[static_cast<std::int64_t>(h) * keep_stride + i] = i;
+      *num_keep = s;
+      return Status::ok();
+    }
+    std::int32_t groups = 1, rows = 1;
+    if (Scorer::kUsesAttention) {
+      KVKIT_CHECK_STATUS(sh.num_q_heads > 0 && sh.num_q_heads % hkv == 0,
+                         StatusCode::kInvalidArgument, "compressor: num_q_heads ", sh.num_q_heads,
+                         " is not a positive multiple of num_kv_heads ", hkv);
+      KVKIT_CHECK_STATUS(sh.num_queries > 0 && queries != nullptr, StatusCode::kInvalidArgument,
+                         "compressor: needs at least one query row, got ", sh.num_queries);
+      groups = sh.num_q_heads / hkv;
+      rows = rows_used(p, sh);
+    }
+    const std::size_t need = workspace_size(ex, sh);
+    KVKIT_CHECK_STATUS(ws.bytes >= need && ws.data != nullptr, StatusCode::kInvalidArgument,
+                       "compressor: workspace of ", ws.bytes, " bytes is smaller than the ", need,
+                       " bytes needed");
+    const int workers = kvkit::detail::host_workers(ex, hkv);
+    WorkspaceCarver carver(ws);
+    std::int32_t* bad = carver.take<std::int32_t>(static_cast<std::size_t>(hkv));
+    // Slabs are carved per worker inside the parallel body (same order as size_slab).
+    const std::size_t su = static_cast<std::size_t>(s), du = static_cast<std::size_t>(dim);
+    const std::size_t gr = Scorer::kUsesAttention ? static_cast<std::size_t>(groups * rows) : 0;
+    const std::size_t ru = Scorer::kUsesAttention ? static_cast<std::size_t>(rows) : 0;
+    WorkspaceSizer one;
+    detail::size_head_scratch(one, su, du, gr, ru);
+    const std::size_t slab_bytes = one.bytes() - (one.bytes() ? kWorkspaceAlign : 0);
+    unsigned char* base = carver.take<unsigned char>(slab_bytes * static_cast<std::size_t>(workers));
+    if (bad == nullptr || base == nullptr)
+      return make_status(StatusCode::kInvalidArgument, "compressor: workspace too small");
+    const std::int32_t n_cand = s - p.window;
+    const std::int32_t q_len = sh.num_queries;
+    kvkit::detail::parallel_for(ex, hkv, [&](std::int64_t hb, std::int64_t he, int w) {
+      WorkspaceCarver c(Workspace{base + slab_bytes * static_cast<std::size_t>(w), slab_bytes});
+      detail::HeadScratch hs;
+      detail::carve_head_scratch(c, su, du, gr, ru, hs);
+      for (std::int64_t h64 = hb; h64 < he; ++h64) {
+        const auto h = static_cast<std::int32_t>(h64);
+        bad[h] = 0;
+        if (Scorer::kUsesAttention || Scorer::kUsesRedundancy) {
+          for (std::int32_t j = 0; j < s; ++j) {
+            const T* src = key_row(h, j);
+            float* kf = hs.keys + static_cast<std::int64_t>(j) * dim;
+            double nrm = 0.0;
+            for (std::int32_t e = 0; e < dim; ++e) {
+              kf[e] = to_float(src[e]);
+              nrm += static_cast<double>(kf[e]) * kf[e];
+            }
+            const double inv = 1.0 / (std::sqrt(nrm) + 1e-8);
+            float* nf = hs.normed + static_cast<std::int64_t>(j) * dim;
+            for (std::int32_t e = 0; e < dim; ++e) nf[e] = static_cast<float>(kf[e] * inv);
+          }
+        }
+        if (Scorer::kUsesAttention) {
+          for (std::int32_t g = 0; g < groups; ++g)
+            for (std::int32_t r = 0; r < rows; ++r) {
+              const T* src = queries + ((static_cast<std::int64_t>(h) * groups + g) * q_len +
+                                        (q_len - rows + r)) * dim;
+              float* dst = hs.queries + (static_cast<std::int64_t>(g) * rows + r) * dim;
+              for (std::int32_t e = 0; e < dim; ++e) dst[e] = to_float(src[e]);
+            }
+          detail::importance(hs.queries, hs.keys, groups, rows, n_cand, dim, p.kernel, hs.logits,
+                             hs.attn, hs.imp);
+        } else {
+          for (std::int32_t j = 0; j < n_cand; ++j) hs.imp[j] = 0.0;
+        }
+        if (Scorer::kUsesRedundancy) {
+          detail::redundancy(hs.normed, s, dim, p.similarity_threshold, hs.near, hs.nsum, hs.red);
+        } else {
+          for (std::int32_t j = 0; j < s; ++j) hs.red[j] = 0.0;
+        }
+        for (std::int32_t j = 0; j < n_cand; ++j) {
+          hs.score[j] = scorer_.score(p, hs.imp[j], hs.red[j], j, s);
+          if (!std::isfinite(hs.score[j])) bad[h] = 1;
+        }
+        if (bad[h]) continue;
+        detail::select_slots(hs.score, s, p.window, p.budget, p.order, hs.order,
+                             keep + static_cast<std::int64_t>(h) * keep_stride);
+      }
+    });
+    for (std::int32_t h = 0; h < hkv; ++h)
+      KVKIT_CHECK_STATUS(!bad[h], StatusCode::kInvalidArgument, "compressor: kv head ", h,
+                         " has non-finite scores (NaN or inf in keys or queries)");
+    *num_keep = p.budget;
+    return Status::ok();
+  }
+
+  Params params_;
+  Scorer scorer_;
+};
+
+/// The R1KV policy.
+using R1KVCompressor = Compressor<R1KV>;
+
+}  // namespace compressor
+}  // namespace kvkit

@@ -1,0 +1,527 @@
+// Compressor pipeline (compressor/r1kv.hpp, scorers.hpp) against an independent float64
+// implementation of ../shared/specs/r1kv.md written here with the plain O(S^2) formulas.
+// Random keys with planted near-duplicates (cosine ~0.99 to an earlier key); kept lists
+// must match exactly, except that two slots whose float64 scores are within a tiny
+// tolerance (near-ties, where float32 logits may order them either way) may swap.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvkit/compressor/r1kv.hpp"
+#include "kvkit/compressor/scorers.hpp"
+#include "kvkit/core/dtype.hpp"
+#include "reference.hpp"
+
+namespace cp = kvkit::compressor;
+using kvkit::bfloat16_t;
+using kvkit::half_t;
+
+namespace {
+
+enum class Kind { kR1KV, kSnapKV, kStreaming };
+
+// ---- float64 reference ------------------------------------------------------------------
+
+struct RefHead {
+  std::vector<double> imp;         // [S-w] I
+  std::vector<double> red;         // [S] Rd
+  std::vector<std::int32_t> near;  // [S] r(i)
+  std::vector<double> z;           // [S-w]
+  std::vector<std::int32_t> keep;  // [Bud]
+};
+
+// keys: [S, D] of one head; queries: [G, Lq, D] of its query heads (doubles of the T values).
+RefHead ref_head(const std::vector<double>& keys, const std::vector<double>& queries, int s,
+                 int dim, int groups, int lq, const cp::Params& p, Kind kind) {
+  RefHead out;
+  const int w = p.window, nc = s - w, rows = std::min(w, lq);
+  out.imp.assign(nc, 0.0);
+  out.red.assign(s, 0.0);
+  out.near.assign(s, 0);
+  if (kind != Kind::kStreaming) {
+    std::vector<double> a(nc, 0.0);
+    for (int r = 0; r < rows; ++r) {
+      std::vector<double> l(nc);
+      for (int j = 0; j < nc; ++j) {
+        double best = -1e300;
+        for (int g = 0; g < groups; ++g) {
+          double dot = 0;
+          for (int d = 0; d < dim; ++d)
+            dot += queries[(static_cast<std::size_t>(g) * lq + (lq - rows + r)) * dim + d] *
+                   keys[static_cast<std::size_t>(j) * dim + d];
+          best = std::max(best, dot);
+        }
+        l[j] = best / std::sqrt(static_cast<double>(dim));
+      }
+      const double mx = *std::max_element(l.begin(), l.end());
+      double sum = 0;
+      for (double& x : l) sum += (x = std::exp(x - mx));
+      for (int j = 0; j < nc; ++j) a[j] += l[j] / sum / rows;
+    }
+    const int half = p.kernel / 2;
+    for (int j = 0; j < nc; ++j) {
+      double m = -1e300;
+      for (int t = std::max(0, j - half); t <= std::min(nc - 1, j + half); ++t) m = std::max(m, a[t]);
+      out.imp[j] = m;
+    }
+  }
+  if (kind == Kind::kR1KV) {
+    std::vector<double> n(keys.size());
+    for (int i = 0; i < s; ++i) {
+      double nrm = 0;
+      for (int d = 0; d < dim; ++d) nrm += keys[i * dim + d] * keys[i * dim + d];
+      for (int d = 0; d < dim; ++d) n[i * dim + d] = keys[i * dim + d] / (std::sqrt(nrm) + 1e-8);
+    }
+    std::vector<double> c(static_cast<std::size_t>(s) * s);
+    for (int i = 0; i < s; ++i)
+      for (int j = 0; j < s; ++j) {
+        double dot = 0;
+        for (int d = 0; d < dim; ++d) dot += n[i * dim + d] * n[j * dim + d];
+        c[static_cast<std::size_t>(i) * s + j] = i == j ? 0.0 : dot;
+      }
+    for (int i = 0; i < s; ++i) {
+      int r = 0;
+      for (int j = 0; j < s; ++j)
+        if (c[static_cast<std::size_t>(i) * s + j] > p.similarity_threshold) r = j;
+      out.near[i] = r;
+      c[static_cast<std::size_t>(i) * s + r] = 0.0;
+    }
+    std::vector<double> m(s, 0.0);
+    for (int i = 0; i < s; ++i)
+      for (int j = 0; j < s; ++j) m[j] += c[static_cast<std::size_t>(i) * s + j];
+    for (double& x : m) x /= s;
+    const double mx = *std::max_element(m.begin(), m.end());
+    double sum = 0;
+    for (double& x : m) sum += (x = std::exp(x - mx));
+    for (int j = 0; j < s; ++j) out.red[j] = m[j] / sum;
+  }
+  out.z.resize(nc);
+  for (int j = 0; j < nc; ++j) {
+    if (kind == Kind::kR1KV)
+      out.z[j] = static_cast<double>(p.lambda) * out.imp[j] -
+                 (1.0 - static_cast<double>(p.lambda)) * out.red[j];
+    else if (kind == Kind::kSnapKV)
+      out.z[j] = out.imp[j];
+    else
+      out.z[j] = j < p.sinks ? 2.0 : static_cast<double>(j) / s;
+  }
+  std::vector<std::int32_t> idx(nc);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return out.z[a] > out.z[b]; });
+  idx.resize(p.budget - w);
+  if (p.order == cp::KeepOrder::kPositional) std::sort(idx.begin(), idx.end());
+  out.keep = idx;
+  for (int i = 0; i < w; ++i) out.keep.push_back(nc + i);
+  return out;
+}
+
+// ---- data ---------------------------------------------------------------------------------
+
+// Keys [Hkv, S, D]: normal entries; about a quarter of the slots are an earlier slot of the
+// same head plus 5% noise (planted near-duplicates).
+template <class T>
+std::vector<T> make_keys(int hkv, int s, int dim, std::mt19937_64& rng, int first = 0,
+                         const std::vector<T>* prev = nullptr) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  std::vector<T> k(static_cast<std::size_t>(hkv) * s * dim);
+  for (int h = 0; h < hkv; ++h)
+    for (int j = 0; j < s; ++j) {
+      T* row = &k[(static_cast<std::size_t>(h) * s + j) * dim];
+      if (prev && j < first) {
+        std::copy_n(&(*prev)[(static_cast<std::size_t>(h) * first + j) * dim], dim, row);
+        continue;
+      }
+      if (j > 0 && u(rng) < 0.25f) {
+        const int src = std::uniform_int_distribution<int>(0, j - 1)(rng);
+        const T* from = &k[(static_cast<std::size_t>(h) * s + src) * dim];
+        for (int d = 0; d < dim; ++d)
+          row[d] = kvkit::from_float<T>(kvkit::to_float(from[d]) + 0.05f * nd(rng));
+      } else {
+        for (int d = 0; d < dim; ++d) row[d] = kvkit::from_float<T>(nd(rng));
+      }
+    }
+  return k;
+}
+
+template <class T>
+std::vector<T> make_queries(int hq, int lq, int dim, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<T> q(static_cast<std::size_t>(hq) * lq * dim);
+  for (auto& x : q) x = kvkit::from_float<T>(nd(rng));
+  return q;
+}
+
+template <class T>
+std::vector<double> head_keys(const std::vector<T>& k, int h, int s, int dim) {
+  std::vector<double> out(static_cast<std::size_t>(s) * dim);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = kvkit::test::to_double(k[static_cast<std::size_t>(h) * s * dim + i]);
+  return out;
+}
+
+template <class T>
+std::vector<double> group_queries(const std::vector<T>& q, int h, int groups, int lq, int dim) {
+  const std::size_t n = static_cast<std::size_t>(groups) * lq * dim;
+  std::vector<double> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = kvkit::test::to_double(q[h * n + i]);
+  return out;
+}
+
+// Kept lists equal, except positions where both slots' reference scores are within tol
+// (near-ties); window slots must match exactly. Returns the number of near-tie swaps.
+int check_keep(const std::vector<std::int32_t>& got, const RefHead& ref, const cp::Params& p,
+               int s) {
+  REQUIRE(got.size() == ref.keep.size());
+  const int nc = s - p.window;
+  double zmax = 0;
+  for (double z : ref.z) zmax = std::max(zmax, std::abs(z));
+  const double tol = 1e-6 * zmax + 1e-15;
+  int swaps = 0;
+  // Same set up to near-ties at the boundary, and the same order up to near-ties.
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] == ref.keep[i]) continue;
+    INFO("position " << i << ": got slot " << got[i] << ", reference slot " << ref.keep[i]);
+    REQUIRE(got[i] >= 0);
+    REQUIRE(got[i] < nc);
+    REQUIRE(ref.keep[i] < nc);
+    REQUIRE(std::abs(ref.z[got[i]] - ref.z[ref.keep[i]]) <= tol);
+    ++swaps;
+  }
+  std::vector<std::int32_t> sorted = got;
+  std::sort(sorted.begin(), sorted.end());
+  REQUIRE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());  // distinct
+  REQUIRE(swaps <= 2);
+  return swaps;
+}
+
+template <class C, class T>
+std::vector<std::int32_t> run_dense(const C& comp, const std::vector<T>& keys,
+                                    const std::vector<T>& queries, const cp::Shape& sh,
+                                    int threads, std::int32_t* nk_out) {
+  kvkit::exec::Host host{threads};
+  std::vector<unsigned char> ws(comp.workspace_size(host, sh));
+  const int stride = comp.params().budget + 3;
+  std::vector<std::int32_t> keep(static_cast<std::size_t>(sh.num_kv_heads) * stride, -7);
+  std::int32_t nk = -1;
+  const kvkit::Status st = comp.select(host, keys.data(), queries.data(), sh, keep.data(), stride,
+                                       &nk, kvkit::Workspace{ws.data(), ws.size()});
+  INFO(st.to_string());
+  REQUIRE(st.is_ok());
+  *nk_out = nk;
+  std::vector<std::int32_t> out;  // [Hkv, nk] packed
+  for (int h = 0; h < sh.num_kv_heads; ++h)
+    out.insert(out.end(), keep.begin() + h * stride, keep.begin() + h * stride + nk);
+  return out;
+}
+
+template <class T, class Scorer>
+void compare_policy(Kind kind, int groups, int s, cp::KeepOrder order, int threads,
+                    std::mt19937_64& rng, float lambda = 0.07f) {
+  const int hkv = 2, dim = 32, lq = 8;
+  cp::Params p;
+  p.budget = 48;
+  p.buffer = 16;
+  p.lambda = lambda;
+  p.order = order;
+  const cp::Compressor<Scorer> comp(p);
+  const auto keys = make_keys<T>(hkv, s, dim, rng);
+  const auto queries = make_queries<T>(hkv * groups, lq, dim, rng);
+  const cp::Shape sh{hkv, hkv * groups, dim, s, lq};
+  std::int32_t nk = 0;
+  const auto got = run_dense(comp, keys, queries, sh, threads, &nk);
+  REQUIRE(nk == p.budget);
+  for (int h = 0; h < hkv; ++h) {
+    const RefHead ref = ref_head(head_keys(keys, h, s, dim),
+                                 group_queries(queries, h, groups, lq, dim), s, dim, groups, lq, p,
+                                 kind);
+    check_keep(std::vector<std::int32_t>(got.begin() + h * nk, got.begin() + (h + 1) * nk), ref,
+               p, s);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("r1kv: each step vs float64 (importance, r(i), redundancy), GQA 1/2/4/8", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  const int s = 120, dim = 48, lq = 8, w = 8;
+  cp::Params p;
+  p.budget = 64;
+  for (int groups : {1, 2, 4, 8}) {
+    CAPTURE(groups);
+    const auto keys = make_keys<float>(1, s, dim, rng);
+    const auto queries = make_queries<float>(groups, lq, dim, rng);
+    const RefHead ref = ref_head(head_keys(keys, 0, s, dim), group_queries(queries, 0, groups, lq, dim),
+                                 s, dim, groups, lq, p, Kind::kR1KV);
+    // normalised keys as the pipeline makes them
+    std::vector<float> normed(keys.size());
+    for (int j = 0; j < s; ++j) {
+      double nrm = 0;
+      for (int d = 0; d < dim; ++d) nrm += double(keys[j * dim + d]) * keys[j * dim + d];
+      for (int d = 0; d < dim; ++d)
+        normed[j * dim + d] = static_cast<float>(keys[j * dim + d] * (1.0 / (std::sqrt(nrm) + 1e-8)));
+    }
+    std::vector<float> logits(static_cast<std::size_t>(w) * s);
+    std::vector<double> attn(s), imp(s), red(s), nsum(dim);
+    std::vector<std::int32_t> near(s);
+    cp::detail::importance(queries.data(), keys.data(), groups, w, s - w, dim, 7, logits.data(),
+                           attn.data(), imp.data());
+    for (int j = 0; j < s - w; ++j) REQUIRE(imp[j] == Approx(ref.imp[j]).epsilon(1e-5));
+    cp::detail::redundancy(normed.data(), s, dim, 0.5f, near.data(), nsum.data(), red.data());
+    int planted = 0;
+    for (int i = 0; i < s; ++i) {
+      CAPTURE(i);
+      REQUIRE(near[i] == ref.near[i]);
+      planted += near[i] != 0;
+    }
+    REQUIRE(planted > 10);  // the planted near-duplicates are found
+    for (int j = 0; j < s; ++j) REQUIRE(red[j] == Approx(ref.red[j]).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("r1kv: kept slots vs float64, GQA 1/2/4/8, S from budget to budget+buffer", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  for (int groups : {1, 2, 4, 8})
+    for (int s : {48, 49, 57, 64})
+      for (auto order : {cp::KeepOrder::kReference, cp::KeepOrder::kPositional}) {
+        CAPTURE(groups, s, static_cast<int>(order));
+        compare_policy<float, cp::R1KV>(Kind::kR1KV, groups, s, order, 1 + (s % 3), rng);
+      }
+}
+
+TEST_CASE("r1kv: lambda 0 and 1 (pure redundancy, pure attention)", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  for (float lam : {0.f, 1.f}) {
+    CAPTURE(lam);
+    compare_policy<float, cp::R1KV>(Kind::kR1KV, 4, 64, cp::KeepOrder::kReference, 2, rng, lam);
+  }
+}
+
+TEST_CASE("r1kv: half and bfloat16 keys and queries", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  for (int groups : {1, 4}) {
+    CAPTURE(groups);
+    compare_policy<half_t, cp::R1KV>(Kind::kR1KV, groups, 64, cp::KeepOrder::kReference, 2, rng);
+    compare_policy<bfloat16_t, cp::R1KV>(Kind::kR1KV, groups, 60, cp::KeepOrder::kPositional, 1, rng);
+  }
+}
+
+TEST_CASE("r1kv: SnapKV and StreamingLLM scorers vs their float64 definitions", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  for (int groups : {1, 2, 8})
+    for (auto order : {cp::KeepOrder::kReference, cp::KeepOrder::kPositional}) {
+      CAPTURE(groups, static_cast<int>(order));
+      compare_policy<float, cp::SnapKV>(Kind::kSnapKV, groups, 64, order, 2, rng);
+      compare_policy<half_t, cp::StreamingLLM>(Kind::kStreaming, groups, 61, order, 2, rng);
+    }
+  // StreamingLLM written out: sinks 0..3, then the most recent budget - sinks slots.
+  cp::Params p;
+  p.budget = 20;
+  p.window = 4;
+  p.sinks = 4;
+  p.order = cp::KeepOrder::kPositional;
+  const cp::StreamingLLMCompressor comp(p);
+  const int s = 50;
+  const auto keys = make_keys<float>(1, s, 8, rng);
+  std::int32_t nk = 0;
+  const auto got = run_dense(comp, keys, std::vector<float>{}, cp::Shape{1, 1, 8, s, 0}, 1, &nk);
+  std::vector<std::int32_t> want = {0, 1, 2, 3};
+  for (int j = s - 16; j < s; ++j) want.push_back(j);
+  REQUIRE(got == want);
+}
+
+TEST_CASE("r1kv: exact ties keep the lower slot first", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  // Every key identical: I is the same for every candidate, and so is Rd except at the
+  // slots that are someone's most recent duplicate (S-1 and S-2, S-2 is outside the
+  // candidates with w >= 2). So all candidate scores tie exactly.
+  const int s = 40, dim = 16, hkv = 2, groups = 2, lq = 3;
+  for (auto order : {cp::KeepOrder::kReference, cp::KeepOrder::kPositional}) {
+    cp::Params p;
+    p.budget = 24;
+    p.window = 4;
+    p.order = order;
+    const cp::R1KVCompressor comp(p);
+    auto one = make_keys<float>(1, 1, dim, rng);
+    std::vector<float> keys;
+    for (int i = 0; i < hkv * s; ++i) keys.insert(keys.end(), one.begin(), one.end());
+    const auto queries = make_queries<float>(hkv * groups, lq, dim, rng);
+    std::int32_t nk = 0;
+    const auto got = run_dense(comp, keys, queries, cp::Shape{hkv, hkv * groups, dim, s, lq}, 2, &nk);
+    REQUIRE(nk == 24);
+    std::vector<std::int32_t> want;
+    for (int h = 0; h < hkv; ++h) {
+      for (int j = 0; j < 20; ++j) want.push_back(j);
+      for (int j = s - 4; j < s; ++j) want.push_back(j);
+    }
+    REQUIRE(got == want);
+  }
+}
+
+TEST_CASE("r1kv: S < budget changes nothing; S == budget keeps every slot", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  cp::Params p;
+  p.budget = 48;
+  const cp::R1KVCompressor comp(p);
+  const int dim = 32, hkv = 2, groups = 2, lq = 8;
+  {
+    const int s = 30;
+    const auto keys = make_keys<float>(hkv, s, dim, rng);
+    const auto queries = make_queries<float>(hkv * groups, lq, dim, rng);
+    std::int32_t nk = 0;
+    const auto got = run_dense(comp, keys, queries, cp::Shape{hkv, hkv * groups, dim, s, lq}, 1, &nk);
+    REQUIRE(nk == s);
+    for (int h = 0; h < hkv; ++h)
+      for (int i = 0; i < s; ++i) REQUIRE(got[h * s + i] == i);
+    REQUIRE_FALSE(comp.should_compress(s));
+    REQUIRE(comp.should_compress(48 + 128));
+    REQUIRE_FALSE(comp.should_compress(48 + 127));
+  }
+  {
+    const int s = 48;
+    const auto keys = make_keys<float>(hkv, s, dim, rng);
+    const auto queries = make_queries<float>(hkv * groups, lq, dim, rng);
+    std::int32_t nk = 0;
+    const auto got = run_dense(comp, keys, queries, cp::Shape{hkv, hkv * groups, dim, s, lq}, 1, &nk);
+    REQUIRE(nk == s);
+    for (int h = 0; h < hkv; ++h) {
+      std::vector<std::int32_t> sorted(got.begin() + h * s, got.begin() + (h + 1) * s);
+      const RefHead ref = ref_head(head_keys(keys, h, s, dim), group_queries(queries, h, groups, lq, dim),
+                                   s, dim, groups, lq, p, Kind::kR1KV);
+      check_keep(sorted, ref, p, s);
+      std::sort(sorted.begin(), sorted.end());
+      for (int i = 0; i < s; ++i) REQUIRE(sorted[i] == i);
+    }
+  }
+}
+
+TEST_CASE("r1kv: paged view input equals dense input (bit-exact lists)", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  const int hkv = 2, dim = 32, groups = 4, lq = 8, s = 61, page = 16;
+  cp::Params p;
+  p.budget = 48;
+  const cp::R1KVCompressor comp(p);
+  const auto keys = make_keys<half_t>(hkv, s, dim, rng);
+  const auto queries = make_queries<half_t>(hkv * groups, lq, dim, rng);
+  const kvkit::KVGeometry geo{hkv, dim, page, 9};
+  const kvkit::KVStrides st = kvkit::packed_strides(geo, kvkit::KVLayout::kNHD);
+  std::vector<half_t> kpool(geo.num_pages * st.page), vpool(kpool.size());
+  // Pool rows hold sequence 1's tokens (sequence 0 is a short decoy in other pages).
+  std::vector<std::int32_t> table = {8, 0, 0, 0, 5, 2, 7, 1}, lens = {10, s};
+  for (int j = 0; j < s; ++j)
+    for (int h = 0; h < hkv; ++h)
+      std::copy_n(&keys[(static_cast<std::size_t>(h) * s + j) * dim], dim,
+                  &kpool[table[4 + j / page] * st.page + (j % page) * st.token + h * st.head]);
+  auto view = kvkit::make_block_table_view(geo, kpool.data(), st, vpool.data(), st,
+                                           kvkit::BlockTable{table.data(), 4, lens.data(), 2});
+  kvkit::exec::Host host{2};
+  std::vector<unsigned char> ws(comp.workspace_size(host, cp::Shape{hkv, hkv * groups, dim, 64, lq}));
+  std::vector<std::int32_t> keep(2 * hkv * 48, -1), nks(2, -1);
+  kvkit::Status stt = comp.select(host, view, 1, queries.data(), hkv * groups, lq,
+                                  keep.data() + hkv * 48, 48, &nks[1],
+                                  kvkit::Workspace{ws.data(), ws.size()});
+  REQUIRE(stt.is_ok());
+  std::int32_t nk = 0;
+  const auto dense = run_dense(comp, keys, queries, cp::Shape{hkv, hkv * groups, dim, s, lq}, 1, &nk);
+  REQUIRE(nks[1] == 48);
+  REQUIRE(std::vector<std::int32_t>(keep.begin() + hkv * 48, keep.end()) == dense);
+  REQUIRE(comp.select(host, view, 2, queries.data(), hkv * groups, lq, keep.data(), 48, &nks[0],
+                      kvkit::Workspace{ws.data(), ws.size()}).code() == kvkit::StatusCode::kOutOfRange);
+}
+
+TEST_CASE("r1kv: replay of consecutive compressions in reference order", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  const int hkv = 2, dim = 32, groups = 2, lq = 8;
+  cp::Params p;
+  p.budget = 40;
+  p.buffer = 16;
+  const cp::R1KVCompressor comp(p);
+  int s = p.budget + p.buffer;
+  std::vector<float> keys = make_keys<float>(hkv, s, dim, rng);
+  int swaps = 0;
+  for (int step = 0; step < 5; ++step) {
+    CAPTURE(step);
+    const auto queries = make_queries<float>(hkv * groups, lq, dim, rng);
+    std::int32_t nk = 0;
+    const auto got = run_dense(comp, keys, queries, cp::Shape{hkv, hkv * groups, dim, s, lq}, 2, &nk);
+    REQUIRE(nk == p.budget);
+    // Continue from the reference's lists (identical unless a near-tie swapped two slots).
+    std::vector<float> kept(static_cast<std::size_t>(hkv) * p.budget * dim);
+    for (int h = 0; h < hkv; ++h) {
+      const RefHead ref = ref_head(head_keys(keys, h, s, dim), group_queries(queries, h, groups, lq, dim),
+                                   s, dim, groups, lq, p, Kind::kR1KV);
+      swaps += check_keep(std::vector<std::int32_t>(got.begin() + h * nk, got.begin() + (h + 1) * nk),
+                          ref, p, s);
+      for (int i = 0; i < p.budget; ++i)
+        std::copy_n(&keys[(static_cast<std::size_t>(h) * s + ref.keep[i]) * dim], dim,
+                    &kept[(static_cast<std::size_t>(h) * p.budget + i) * dim]);
+    }
+    // Append `buffer` new tokens (some near-duplicates of kept ones) and go again.
+    s = p.budget + p.buffer;
+    keys = make_keys<float>(hkv, s, dim, rng, p.budget, &kept);
+  }
+  REQUIRE(swaps <= 2);
+}
+
+TEST_CASE("r1kv: params validated at construction", "[r1kv]") {
+  auto bad = [](auto edit, const char* needle) {
+    cp::Params p;
+    p.budget = 64;
+    edit(p);
+    try {
+      cp::R1KVCompressor c(p);
+      FAIL("no error for " << needle);
+    } catch (const kvkit::Error& e) {
+      INFO(e.what());
+      REQUIRE(std::string(e.what()).find(needle) != std::string::npos);
+    }
+  };
+  bad([](cp::Params& p) { p.budget = 8; }, "budget must be > window (8), got 8");
+  bad([](cp::Params& p) { p.window = 0; }, "window must be > 0, got 0");
+  bad([](cp::Params& p) { p.kernel = 4; }, "kernel must be odd and >= 1, got 4");
+  bad([](cp::Params& p) { p.kernel = -1; }, "got -1");
+  bad([](cp::Params& p) { p.lambda = 1.5f; }, "lambda must be in [0, 1], got 1.5");
+  bad([](cp::Params& p) { p.lambda = -0.25f; }, "got -0.25");
+  bad([](cp::Params& p) { p.buffer = -3; }, "buffer must be >= 0, got -3");
+  bad([](cp::Params& p) { p.similarity_threshold = 1.25f; }, "similarity_threshold must be in [-1, 1], got 1.25");
+  bad([](cp::Params& p) { p.sinks = -1; }, "sinks must be >= 0, got -1");
+  cp::Params ok;
+  ok.budget = 9;
+  ok.kernel = 1;
+  ok.buffer = 0;
+  REQUIRE_NOTHROW(cp::R1KVCompressor(ok));
+}
+
+TEST_CASE("r1kv: run-path errors return a Status and leave num_keep untouched", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  cp::Params p;
+  p.budget = 16;
+  const cp::R1KVCompressor comp(p);
+  const int s = 30, dim = 8;
+  auto keys = make_keys<float>(1, s, dim, rng);
+  const auto queries = make_queries<float>(2, 8, dim, rng);
+  const cp::Shape sh{1, 2, dim, s, 8};
+  kvkit::exec::Host host{1};
+  std::vector<unsigned char> ws(comp.workspace_size(host, sh));
+  std::vector<std::int32_t> keep(16, -1);
+  std::int32_t nk = -1;
+  auto call = [&](const cp::Shape& shape, std::int32_t stride, std::size_t bytes) {
+    return comp.select(host, keys.data(), queries.data(), shape, keep.data(), stride, &nk,
+                       kvkit::Workspace{ws.data(), bytes});
+  };
+  REQUIRE(call(sh, 15, ws.size()).code() == kvkit::StatusCode::kInvalidArgument);
+  REQUIRE(call(sh, 16, ws.size() - 1).code() == kvkit::StatusCode::kInvalidArgument);
+  REQUIRE(call(cp::Shape{1, 0, dim, s, 8}, 16, ws.size()).code() == kvkit::StatusCode::kInvalidArgument);
+  REQUIRE(call(cp::Shape{1, 2, dim, s, 0}, 16, ws.size()).code() == kvkit::StatusCode::kInvalidArgument);
+  REQUIRE(nk == -1);
+  keys[5 * dim + 2] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE(call(sh, 16, ws.size()).code() == kvkit::StatusCode::kInvalidArgument);
+  REQUIRE(nk == -1);
+}
