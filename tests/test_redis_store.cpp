@@ -1,0 +1,486 @@
+// RedisBackend against real redis-server processes: URL parsing, AUTH, a pipelined batch of
+// 2048 values of 16 KiB, BlockStore round trips of every dtype and layout, the longest
+// complete prefix after deleting 10% of the keys, and a server paused (SIGSTOP) or killed
+// in the middle of a batch: the call returns an error within deadline + one socket
+// timeout, and the backend works again once the server is back.
+// Uses $KVKIT_REDIS_URL (scripts/test.sh starts one) for the shared-server tests, else a
+// private server; the pause/kill tests always start their own. Skips, saying why, when
+// no redis-server binary can be found.
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvkit/store/redis_store.hpp"
+#include "reference.hpp"
+
+using namespace kvkit;
+using namespace kvkit::store;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string find_redis_server() {
+  const char* path = std::getenv("PATH");
+  std::string p = path != nullptr ? path : "/usr/bin:/usr/local/bin";
+  std::size_t start = 0;
+  while (start <= p.size()) {
+    const std::size_t end = std::min(p.find(':', start), p.size());
+    const std::string cand = p.substr(start, end - start) + "/redis-server";
+    if (::access(cand.c_str(), X_OK) == 0) return cand;
+    start = end + 1;
+  }
+  return {};
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+// A private redis-server on a free loopback port (no persistence), stopped on destruction.
+class RedisServer {
+ public:
+  explicit RedisServer(std::string password = {}) : password_(std::move(password)) {
+    binary_ = find_redis_server();
+    if (binary_.empty()) return;
+    for (int attempt = 0; attempt < 5 && pid_ <= 0; ++attempt) {
+      port_ = free_port();
+      if (!spawn()) stop();
+    }
+  }
+  ~RedisServer() { stop(); }
+  RedisServer(const RedisServer&) = delete;
+  RedisServer& operator=(const RedisServer&) = delete;
+
+  bool running() const { return pid_ > 0; }
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  void signal(int sig) const {
+    if (pid_ > 0) ::kill(pid_, sig);
+  }
+  /// Kills the server and starts a fresh one on the same port (data is gone).
+  bool restart() {
+    stop();
+    return spawn();
+  }
+  RedisOptions options() const {
+    RedisOptions o;
+    o.host = "127.0.0.1";
+    o.port = port_;
+    o.password = password_;
+    return o;
+  }
+
+ private:
+  bool spawn() {
+    const std::string port = std::to_string(port_);
+    std::vector<std::string> args = {binary_, "--port", port, "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--dir", "/tmp", "--daemonize", "no"};
+    if (!password_.empty()) {
+      args.push_back("--requirepass");
+      args.push_back(password_);
+    }
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      if (devnull >= 0) {
+        ::dup2(devnull, 1);
+        ::dup2(devnull, 2);
+      }
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(&a[0]);
+      argv.push_back(nullptr);
+      ::execv(binary_.c_str(), argv.data());
+      ::_exit(127);
+    }
+    if (pid < 0) return false;
+    pid_ = pid;
+    // Ready when it answers PING (AUTH first when a password is set).
+    for (int i = 0; i < 100; ++i) {
+      int wstatus = 0;
+      if (::waitpid(pid_, &wstatus, WNOHANG) == pid_) {  // exited: port taken?
+        pid_ = -1;
+        return false;
+      }
+      RedisOptions o = options();
+      o.connect_timeout = std::chrono::milliseconds(200);
+      o.batch_deadline = std::chrono::milliseconds(300);
+      RedisBackend probe(o);
+      if (probe.connect().is_ok()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+  void stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGCONT);
+    ::kill(pid_, SIGKILL);
+    int wstatus = 0;
+    ::waitpid(pid_, &wstatus, 0);
+    pid_ = -1;
+  }
+
+  std::string binary_;
+  std::string password_;
+  int port_ = 0;
+  pid_t pid_ = -1;
+};
+
+// The shared server from $KVKIT_REDIS_URL, else a private one (kept for the process).
+bool shared_options(RedisOptions* out) {
+  if (const char* url = std::getenv("KVKIT_REDIS_URL")) {
+    const Status st = parse_redis_url(url, out);
+    INFO(st.to_string());
+    REQUIRE(st.is_ok());
+    return true;
+  }
+  static std::unique_ptr<RedisServer> own;
+  if (!own) own = std::make_unique<RedisServer>();
+  if (!own->running()) return false;
+  *out = own->options();
+  return true;
+}
+
+std::string unique_ns(std::mt19937_64& rng) {
+  return make_namespace("test_redis_store", std::to_string(rng()) + std::to_string(::getpid()));
+}
+
+std::vector<std::string> random_values(std::size_t n, std::size_t bytes, std::mt19937_64& rng) {
+  std::vector<std::string> v(n, std::string(bytes, '\0'));
+  for (auto& s : v)
+    for (std::size_t i = 0; i < bytes; i += 8) {
+      const std::uint64_t r = rng();
+      std::memcpy(&s[i], &r, std::min<std::size_t>(8, bytes - i));
+    }
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("parse_redis_url", "[redis]") {
+  RedisOptions o;
+  REQUIRE(parse_redis_url("redis://10.0.0.2:7000", &o).is_ok());
+  CHECK(o.host == "10.0.0.2");
+  CHECK(o.port == 7000);
+  CHECK(o.password.empty());
+  REQUIRE(parse_redis_url("redis://alice:s3cret@cache.local:6380/2", &o).is_ok());
+  CHECK(o.user == "alice");
+  CHECK(o.password == "s3cret");
+  CHECK(o.host == "cache.local");
+  CHECK(o.port == 6380);
+  CHECK(o.db == 2);
+  RedisOptions p;
+  REQUIRE(parse_redis_url("redis://:pw@h", &p).is_ok());
+  CHECK(p.user.empty());
+  CHECK(p.password == "pw");
+  CHECK(p.port == 6379);
+  CHECK_FALSE(parse_redis_url("http://h:1", &p).is_ok());
+  CHECK_FALSE(parse_redis_url("redis://h:99999", &p).is_ok());
+  CHECK_FALSE(parse_redis_url("redis://h:x1", &p).is_ok());
+  CHECK_FALSE(parse_redis_url("redis://", &p).is_ok());
+}
+
+TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
+  RedisOptions o;
+  if (!shared_options(&o)) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  const std::string ns = unique_ns(rng);
+  const std::size_t n = 2048;
+  std::vector<std::string> keys(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:" + ns + ":0:" + std::to_string(i) + ":k";
+  const auto values = random_values(n, 16384, rng);
+  o.max_inflight_bytes = 1u << 20;  // a small window: many refills per batch
+  RedisBackend redis(o);
+  std::vector<KeyState> states(n, KeyState::kError);
+  Status st = redis.put(keys.data(), values.data(), n, states.data());
+  INFO(st.to_string());
+  REQUIRE(st.is_ok());
+  for (auto s : states) REQUIRE(s == KeyState::kHit);
+  // Every other key absent.
+  std::vector<std::string> probe = keys;
+  for (std::size_t i = 1; i < n; i += 2) probe[i] += "-absent";
+  st = redis.exists(probe.data(), n, states.data());
+  REQUIRE(st.is_ok());
+  for (std::size_t i = 0; i < n; ++i)
+    REQUIRE(states[i] == (i % 2 == 0 ? KeyState::kHit : KeyState::kMiss));
+  std::vector<std::string> got(n);
+  st = redis.get(probe.data(), n, got.data(), states.data());
+  REQUIRE(st.is_ok());
+  for (std::size_t i = 0; i < n; ++i) {
+    INFO("key " << i);
+    REQUIRE(states[i] == (i % 2 == 0 ? KeyState::kHit : KeyState::kMiss));
+    if (i % 2 == 0) REQUIRE(got[i] == values[i]);
+  }
+  st = redis.get(keys.data(), n, got.data(), states.data());
+  REQUIRE(st.is_ok());
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+  // The unpipelined baseline reads the same bytes.
+  std::vector<std::string> got1(64);
+  REQUIRE(redis.get_unpipelined(keys.data(), 64, got1.data(), states.data()).is_ok());
+  for (std::size_t i = 0; i < 64; ++i) REQUIRE(got1[i] == values[i]);
+  CHECK(redis.connects() == 1);
+  REQUIRE(redis.remove(keys.data(), n).is_ok());
+  REQUIRE(redis.exists(keys.data(), n, states.data()).is_ok());
+  for (auto s : states) REQUIRE(s == KeyState::kMiss);
+}
+
+namespace {
+
+template <class T>
+void redis_block_round_trip(RedisBackend& redis, std::mt19937_64& rng, Codec codec) {
+  for (KVLayout src_layout : {KVLayout::kNHD, KVLayout::kHND})
+    for (KVLayout dst_layout : {KVLayout::kNHD, KVLayout::kHND}) {
+      CAPTURE(to_string(dtype_of<T>::value), to_string(src_layout), to_string(dst_layout),
+              static_cast<int>(codec));
+      const std::int32_t blocks = 24, layers = 2, page = 8;
+      test::PoolSpec s;
+      s.num_kv_heads = 2;
+      s.head_dim = 32;
+      s.page_size = page;
+      s.layout = src_layout;
+      s.seq_lens = {blocks * page};
+      s.row_padding = 3;
+      std::vector<std::unique_ptr<test::RandomPool<T>>> src, dst;
+      std::vector<PagedKVView<T>> sv, dv;
+      test::PoolSpec d = s;
+      d.layout = dst_layout;
+      d.row_padding = 0;
+      d.spare_pages = 9;
+      for (int l = 0; l < layers; ++l) {
+        std::mt19937_64 same_table_src(7), same_table_dst(11);
+        src.push_back(std::make_unique<test::RandomPool<T>>(s, same_table_src));
+        test::fill_uniform(src.back()->k.data(), src.back()->k.size(), rng);
+        test::fill_uniform(src.back()->v.data(), src.back()->v.size(), rng);
+        dst.push_back(std::make_unique<test::RandomPool<T>>(d, same_table_dst));
+        sv.push_back(src.back()->view);
+        dv.push_back(dst.back()->view);
+      }
+      BlockStoreConfig c;
+      c.ns = unique_ns(rng);
+      c.num_layers = layers;
+      c.page_size = page;
+      c.num_kv_heads = s.num_kv_heads;
+      c.head_dim = s.head_dim;
+      c.encode.codec = codec;
+      c.blocks_per_batch = 10;
+      BlockStore<T> store(redis, c);
+      std::vector<std::int32_t> tokens(static_cast<std::size_t>(blocks * page));
+      for (auto& t : tokens) t = static_cast<std::int32_t>(rng() % 49152);
+      const auto hashes = prefix_block_hashes(tokens.data(), tokens.size(), page);
+      REQUIRE(store.save_sequence(hashes.data(), hashes.size(), sv.data(), 0).is_ok());
+      REQUIRE(store.match_blocks(hashes.data(), hashes.size()) == hashes.size());
+      // Delete 10% of the keys; the match and the load stop at the first incomplete block.
+      std::vector<std::string> all;
+      for (const auto& h : hashes)
+        for (int l = 0; l < layers; ++l)
+          for (KVKind k : {KVKind::kKey, KVKind::kValue}) all.push_back(store.key(l, h, k));
+      std::vector<std::string> shuffled = all;
+      std::shuffle(shuffled.begin(), shuffled.end(), rng);
+      const std::set<std::string> deleted(shuffled.begin(), shuffled.begin() + all.size() / 10);
+      const std::vector<std::string> del(deleted.begin(), deleted.end());
+      REQUIRE(redis.remove(del.data(), del.size()).is_ok());
+      std::size_t expect = 0;
+      while (expect < hashes.size()) {
+        bool complete = true;
+        for (std::size_t j = 0; j < 2 * layers; ++j)
+          complete = complete && !deleted.count(all[expect * 2 * layers + j]);
+        if (!complete) break;
+        ++expect;
+      }
+      CAPTURE(expect);
+      CHECK(store.match_blocks(hashes.data(), hashes.size()) == expect);
+      const LoadResult r = store.load_sequence(hashes.data(), hashes.size(), dv.data(), 0);
+      CHECK(r.status.is_ok());
+      REQUIRE(r.blocks_loaded == expect);
+      for (std::size_t b = 0; b < expect; ++b)
+        for (int l = 0; l < layers; ++l)
+          for (std::int32_t t = 0; t < page; ++t)
+            for (std::int32_t h = 0; h < s.num_kv_heads; ++h)
+              for (std::int32_t x = 0; x < s.head_dim; ++x) {
+                const std::int32_t tok = static_cast<std::int32_t>(b) * page + t;
+                REQUIRE(test::same_bits(src[l]->k[src[l]->token_index(0, tok, h, x)],
+                                        dst[l]->k[dst[l]->token_index(0, tok, h, x)]));
+                REQUIRE(test::same_bits(src[l]->v[src[l]->v_token_index(0, tok, h, x)],
+                                        dst[l]->v[dst[l]->v_token_index(0, tok, h, x)]));
+              }
+      REQUIRE(redis.remove(all.data(), all.size()).is_ok());
+    }
+}
+
+}  // namespace
+
+TEST_CASE("BlockStore over Redis: every dtype and layout, 10% deleted -> longest complete prefix",
+          "[redis][connector]") {
+  RedisOptions o;
+  if (!shared_options(&o)) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  RedisBackend redis(o);
+  for (Codec codec : {Codec::kRaw, Codec::kZstd}) {
+    redis_block_round_trip<float>(redis, rng, codec);
+    redis_block_round_trip<half_t>(redis, rng, codec);
+    redis_block_round_trip<bfloat16_t>(redis, rng, codec);
+  }
+}
+
+TEST_CASE("RedisBackend: AUTH", "[redis]") {
+  RedisServer server("kvkit-pw");
+  if (!server.running()) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  RedisBackend good(server.options());
+  CHECK(good.connect().is_ok());
+  RedisOptions bad_pw = server.options();
+  bad_pw.password = "wrong";
+  RedisBackend bad(bad_pw);
+  const std::string key = "k";
+  KeyState st = KeyState::kHit;
+  const Status s = bad.exists(&key, 1, &st);
+  CHECK_FALSE(s.is_ok());
+  CHECK(st == KeyState::kError);
+  RedisOptions none = server.options();
+  none.password.clear();
+  RedisBackend anon(none);
+  CHECK_FALSE(anon.exists(&key, 1, &st).is_ok());
+}
+
+TEST_CASE("RedisBackend: server paused or killed mid-batch -> bounded error, then recovery",
+          "[redis][fault]") {
+  RedisServer server;
+  if (!server.running()) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  const std::size_t n = 2048;
+  std::vector<std::string> keys(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:fault:0:" + std::to_string(i) + ":v";
+  const auto values = random_values(n, 16384, rng);
+  std::vector<KeyState> states(n);
+  std::vector<std::string> got(n);
+  auto fill = [&](RedisBackend& r) {
+    REQUIRE(r.put(keys.data(), values.data(), n, states.data()).is_ok());
+  };
+
+  struct Case {
+    int op_ms, deadline_ms;
+  };
+  // A short socket timeout inside a long deadline, and a deadline shorter than the socket
+  // timeout (the deadline must win: the socket timeout is lowered to the time left).
+  for (Case c : {Case{200, 5000}, Case{5000, 400}}) {
+    CAPTURE(c.op_ms, c.deadline_ms);
+    RedisOptions o = server.options();
+    o.op_timeout = std::chrono::milliseconds(c.op_ms);
+    o.batch_deadline = std::chrono::milliseconds(c.deadline_ms);
+    o.max_inflight_bytes = 2u << 20;
+    bool armed = false, stopped = false;  // armed for the get below only
+    o.on_reply = [&](std::size_t done) {
+      if (armed && done == 300 && !stopped) {
+        server.signal(SIGSTOP);
+        stopped = true;
+      }
+    };
+    RedisBackend redis(o);
+    fill(redis);
+    const double bound_ms = c.deadline_ms + c.op_ms;
+    // what the design gives: the stall ends at the first of socket timeout and deadline
+    const double bound_with_slack = std::min<double>(c.deadline_ms, c.op_ms) + 500;
+    armed = true;
+    auto t0 = Clock::now();
+    Status st = redis.get(keys.data(), n, got.data(), states.data());
+    double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    INFO(st.to_string() << " after " << ms << " ms");
+    REQUIRE(stopped);
+    CHECK(st.code() == StatusCode::kTimeout);
+    CHECK(ms < bound_ms);
+    CHECK(ms < bound_with_slack);
+    std::size_t hits = 0;
+    while (hits < n && states[hits] == KeyState::kHit) ++hits;
+    CHECK(hits >= 300);  // answered before the pause: kept, and bit-exact
+    CHECK(hits < n);
+    for (std::size_t i = 0; i < hits; ++i) REQUIRE(got[i] == values[i]);
+    for (std::size_t i = hits; i < n; ++i) REQUIRE(states[i] == KeyState::kError);
+    CHECK_FALSE(redis.connected());
+    // Still paused: a new call (reconnect + PING) fails within its bound too.
+    o.on_reply = nullptr;
+    t0 = Clock::now();
+    st = redis.exists(keys.data(), 16, states.data());
+    ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    INFO(st.to_string() << " after " << ms << " ms (still paused)");
+    CHECK_FALSE(st.is_ok());
+    CHECK(ms < bound_ms);
+    server.signal(SIGCONT);
+    // Back: the next batch reconnects and reads everything.
+    stopped = true;  // no more pauses from the hook
+    st = redis.get(keys.data(), n, got.data(), states.data());
+    INFO(st.to_string());
+    REQUIRE(st.is_ok());
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+    CHECK(redis.connects() >= 2);
+  }
+
+  SECTION("killed mid-batch") {
+    RedisOptions o = server.options();
+    o.op_timeout = std::chrono::milliseconds(300);
+    o.batch_deadline = std::chrono::milliseconds(3000);
+    bool armed = false, killed = false;
+    o.on_reply = [&](std::size_t done) {
+      if (armed && done == 500 && !killed) {
+        server.signal(SIGKILL);
+        killed = true;
+      }
+    };
+    RedisBackend redis(o);
+    fill(redis);
+    armed = true;
+    const auto t0 = Clock::now();
+    Status st = redis.get(keys.data(), n, got.data(), states.data());
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    INFO(st.to_string() << " after " << ms << " ms");
+    REQUIRE(killed);
+    CHECK_FALSE(st.is_ok());
+    CHECK(ms < 3000 + 300);
+    CHECK(states[n - 1] == KeyState::kError);
+    CHECK_FALSE(redis.exists(keys.data(), 1, states.data()).is_ok());  // nobody listening
+    REQUIRE(server.restart());
+    // A fresh server has no data: misses, then a refill and a full read.
+    REQUIRE(redis.exists(keys.data(), n, states.data()).is_ok());
+    CHECK(states[0] == KeyState::kMiss);
+    fill(redis);
+    REQUIRE(redis.get(keys.data(), n, got.data(), states.data()).is_ok());
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+  }
+}
