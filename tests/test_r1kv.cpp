@@ -224,8 +224,8 @@ std::vector<std::int32_t> run_dense(const C& comp, const std::vector<T>& keys,
 
 template <class T, class Scorer>
 void compare_policy(Kind kind, int groups, int s, cp::KeepOrder order, int threads,
-                    std::mt19937_64& rng, float lambda = 0.07f) {
-  const int hkv = 2, dim = 32, lq = 8;
+                    std::mt19937_64& rng, float lambda = 0.07f, int dim = 32, int lq = 8) {
+  const int hkv = 2;
   cp::Params p;
   p.budget = 48;
   p.buffer = 16;
@@ -301,6 +301,15 @@ TEST_CASE("r1kv: lambda 0 and 1 (pure redundancy, pure attention)", "[r1kv]") {
   for (float lam : {0.f, 1.f}) {
     CAPTURE(lam);
     compare_policy<float, cp::R1KV>(Kind::kR1KV, 4, 64, cp::KeepOrder::kReference, 2, rng, lam);
+  }
+}
+
+TEST_CASE("r1kv: head dims off the 8-lane grid, fewer queries than the window", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  for (int dim : {4, 20, 37}) {
+    CAPTURE(dim);
+    compare_policy<float, cp::R1KV>(Kind::kR1KV, 2, 60, cp::KeepOrder::kReference, 1, rng, 0.07f,
+                                    dim, 3);
   }
 }
 
