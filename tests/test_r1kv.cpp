@@ -270,11 +270,12 @@ TEST_CASE("r1kv: each step vs float64 (importance, r(i), redundancy), GQA 1/2/4/
     }
     std::vector<float> logits(static_cast<std::size_t>(w) * s);
     std::vector<double> attn(s), imp(s), red(s), nsum(dim);
-    std::vector<std::int32_t> near(s);
+    std::vector<std::int32_t> near(s), low(s), reach(s), early(s);
     cp::detail::importance(queries.data(), keys.data(), groups, w, s - w, dim, 7, logits.data(),
                            attn.data(), imp.data());
     for (int j = 0; j < s - w; ++j) REQUIRE(imp[j] == Approx(ref.imp[j]).epsilon(1e-5));
-    cp::detail::redundancy(normed.data(), s, dim, 0.5f, near.data(), nsum.data(), red.data());
+    cp::detail::redundancy(normed.data(), s, dim, 0.5f, near.data(), low.data(), reach.data(),
+                           early.data(), nsum.data(), red.data());
     int planted = 0;
     for (int i = 0; i < s; ++i) {
       CAPTURE(i);
@@ -283,6 +284,63 @@ TEST_CASE("r1kv: each step vs float64 (importance, r(i), redundancy), GQA 1/2/4/
     }
     REQUIRE(planted > 10);  // the planted near-duplicates are found
     for (int j = 0; j < s; ++j) REQUIRE(red[j] == Approx(ref.red[j]).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("r1kv: r(i) vs brute force on long sequences and several key distributions", "[r1kv]") {
+  KVKIT_TEST_RNG(rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int dim = 16;
+  // kinds: 0 random (few matches), 1 planted near-duplicates, 2 shared direction (most
+  // pairs match), 3 shared direction weak enough that matches are sparse, 4 identical keys.
+  for (int s : {1, 2, 5, 300, 777}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      CAPTURE(s, kind);
+      std::vector<float> keys;
+      if (kind == 1) {
+        keys = make_keys<float>(1, s, dim, rng);
+      } else {
+        keys.resize(static_cast<std::size_t>(s) * dim);
+        std::vector<float> dir(dim);
+        for (auto& x : dir) x = nd(rng);
+        const float w = kind == 2 ? 1.5f : kind == 3 ? 0.45f : 0.f;
+        for (int j = 0; j < s; ++j)
+          for (int d = 0; d < dim; ++d)
+            keys[j * dim + d] = kind == 4 ? dir[d] : w * dir[d] + nd(rng);
+      }
+      std::vector<float> normed(keys.size());
+      for (int j = 0; j < s; ++j) {
+        double nrm = 0;
+        for (int d = 0; d < dim; ++d) nrm += double(keys[j * dim + d]) * keys[j * dim + d];
+        for (int d = 0; d < dim; ++d)
+          normed[j * dim + d] = static_cast<float>(keys[j * dim + d] * (1.0 / (std::sqrt(nrm) + 1e-8)));
+      }
+      std::vector<std::int32_t> near(s), low(s), reach(s), early(s);
+      std::vector<double> red(s), nsum(dim);
+      cp::detail::redundancy(normed.data(), s, dim, 0.5f, near.data(), low.data(), reach.data(),
+                             early.data(), nsum.data(), red.data());
+      int matched = 0, ambiguous_rows = 0;
+      for (int i = 0; i < s; ++i) {
+        int r = 0;
+        bool ambiguous = false;  // a cosine within float rounding of the threshold
+        for (int j = 0; j < s; ++j) {
+          if (j == i) continue;
+          double dot = 0;
+          for (int d = 0; d < dim; ++d) dot += double(normed[i * dim + d]) * normed[j * dim + d];
+          if (dot > 0.5) r = j;
+          ambiguous = ambiguous || std::abs(dot - 0.5) < 1e-5;
+        }
+        CAPTURE(i);
+        if (ambiguous && near[i] != r) {
+          ++ambiguous_rows;
+          continue;
+        }
+        REQUIRE(near[i] == r);
+        matched += r != 0;
+      }
+      REQUIRE(ambiguous_rows <= 2);
+      if (kind == 2 || kind == 4) REQUIRE(matched >= s - 2);
+    }
   }
 }
 

@@ -21,9 +21,10 @@
 //
 // How step 4 runs in O(S) memory and mostly O(S*D) time: sum_i C[i,j] = <sum_i n_i, n_j>
 // - <n_j,n_j> - sum_{i : r(i)=j, i != j} <n_i,n_j>, so only the search for r(i) touches
-// pairs, and it scans j from S-1 downward and stops at the first cosine above thr (rows
-// in blocks of 4 share each key load). Random keys (no near-duplicates) make that scan
-// full, O(S^2 D); real keys stop early. Sums are taken in double, so scores differ from a
+// pairs: it scans j from S-1 downward, stops at the first cosine above thr, and uses the
+// symmetry of C so no cosine is computed twice (detail::redundancy). Random keys (no
+// near-duplicates) still cost S^2/2 cosines; keys sharing a direction, as real post-RoPE
+// keys often do, stop after a few. Sums are taken in double, so scores differ from a
 // float64 evaluation only by the float32 logits/softmax/normalised keys (relative ~1e-6):
 // kept sets are identical except where two scores are that close (near-ties).
 //
@@ -263,6 +264,9 @@ struct HeadScratch {
   double* red = nullptr;    // [S] m_j, then Rd
   double* score = nullptr;  // [S] Z[j]
   std::int32_t* near = nullptr;  // [S] r(i)
+  std::int32_t* low = nullptr;   // [S] largest lower match found in phase A
+  std::int32_t* reach = nullptr; // [S] lowest column phase A computed per row
+  std::int32_t* early = nullptr; // [S] rows whose phase-A scan stopped early
   std::int32_t* order = nullptr; // [S] candidate slots being ranked
   double* nsum = nullptr;   // [D] sum_i n_i
 };
@@ -271,7 +275,8 @@ inline WorkspaceSizer& size_head_scratch(WorkspaceSizer& w, std::size_t s, std::
                                          std::size_t gr, std::size_t r) {
   return w.add<float>(s * d).add<float>(s * d).add<float>(gr * d).add<float>(r * s)
       .add<double>(s).add<double>(s).add<double>(s).add<double>(s)
-      .add<std::int32_t>(s).add<std::int32_t>(s).add<double>(d);
+      .add<std::int32_t>(s).add<std::int32_t>(s).add<std::int32_t>(s).add<std::int32_t>(s)
+      .add<std::int32_t>(s).add<double>(d);
 }
 
 inline bool carve_head_scratch(WorkspaceCarver& c, std::size_t s, std::size_t d, std::size_t gr,
@@ -285,6 +290,9 @@ inline bool carve_head_scratch(WorkspaceCarver& c, std::size_t s, std::size_t d,
   h.red = c.take<double>(s);
   h.score = c.take<double>(s);
   h.near = c.take<std::int32_t>(s);
+  h.low = c.take<std::int32_t>(s);
+  h.reach = c.take<std::int32_t>(s);
+  h.early = c.take<std::int32_t>(s);
   h.order = c.take<std::int32_t>(s);
   h.nsum = c.take<double>(d);
   return h.nsum != nullptr;
@@ -339,40 +347,122 @@ inline void importance(const float* queries, const float* keys, std::int32_t gro
   }
 }
 
-/// Step 4: Rd[j] for all S slots (into red). normed: [S, D]. near: [S] receives r(i).
+/// Step 4: Rd[j] for all S slots (into red). normed: [S, D]. near: [S] receives r(i);
+/// low, reach, early: [S] scratch.
+///
+/// r(i) in two phases that compute each cosine at most once (C is symmetric):
+///  A. upper matches: rows in blocks of 4 scan columns j > i from S-1 downward, two at a
+///     time (64 rows share each chunk of 256 columns, for cache reuse), until every row of
+///     the block found its first (= largest) match or reached the diagonal. Row i's
+///     computed columns are then [reach[i], S-1]; every computed pair (i, j > i) above the
+///     threshold is also a lower match of row j: low[j] = max(low[j], i).
+///  B. rows with no upper match: r(i) is the largest lower match. Pairs (j < i) computed
+///     in A (reach[j] <= i) above low[i] are known not to match, so only the others are
+///     computed, from i-1 down to low[i]; the first match wins, else low[i], else 0.
+/// Random keys (no near-duplicates) cost S^2/2 cosines; keys that share a direction stop
+/// after a few columns.
 inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, float thr,
-                       std::int32_t* near, double* nsum, double* red) {
-  // r(i): most recent j != i with cosine > thr, rows in blocks of 4 scanning j downward.
-  float c[4], c1[4];
-  for (std::int32_t i0 = 0; i0 < s; i0 += 4) {
+                       std::int32_t* near,   // [S]
+                       std::int32_t* low,    // [S]
+                       std::int32_t* reach,  // [S]
+                       std::int32_t* early,  // [S]
+                       double* nsum,         // [D]
+                       double* red) {        // [S]
+  for (std::int32_t i = 0; i < s; ++i) {
+    low[i] = -1;
+    near[i] = -1;
+  }
+  // Phase A. Columns go in pairs (j, j-1), j = s-1-2k; 64 rows (16 blocks of 4) share each
+  // chunk of kChunk pairs so the chunk's keys stay in L2 while the rows pass over it.
+  constexpr std::int32_t kSub = 16, kChunk = 128;
+  struct Sub {
     const float* a[4];
     bool open[4];
-    int left = 0;
-    for (int t = 0; t < 4; ++t) {
-      const std::int32_t i = std::min(i0 + t, s - 1);
-      a[t] = normed + static_cast<std::int64_t>(i) * dim;
-      open[t] = i0 + t < s;
-      left += open[t];
-      if (open[t]) near[i0 + t] = 0;
-    }
-    // Columns two at a time (j, then j-1: the first match in that order is the largest).
-    for (std::int32_t j = s - 1; j >= 0 && left > 0; j -= 2) {
-      const std::int32_t j1 = std::max(j - 1, 0);
-      dot4x2(a[0], a[1], a[2], a[3], normed + static_cast<std::int64_t>(j) * dim,
-             normed + static_cast<std::int64_t>(j1) * dim, dim, c, c1);
+    int left;
+    bool active;
+    std::int32_t lowest;
+  };
+  Sub sub[kSub];
+  float c[4], c1[4];
+  for (std::int32_t r0 = 0; r0 < s; r0 += 4 * kSub) {
+    bool any = false;
+    for (std::int32_t b = 0; b < kSub; ++b) {
+      Sub& u = sub[b];
+      const std::int32_t i0 = r0 + 4 * b;
+      u.left = 0;
+      u.lowest = s;
       for (int t = 0; t < 4; ++t) {
-        if (!open[t]) continue;
-        if (j != i0 + t && c[t] > thr) {
-          near[i0 + t] = j;
-        } else if (j1 < j && j1 != i0 + t && c1[t] > thr) {
-          near[i0 + t] = j1;
-        } else {
-          continue;
+        u.a[t] = normed + static_cast<std::int64_t>(std::min(i0 + t, s - 1)) * dim;
+        u.open[t] = i0 + t < s - 1;  // the last row has no upper columns
+        u.left += u.open[t];
+      }
+      u.active = u.left > 0;
+      any = any || u.active;
+    }
+    for (std::int32_t k0 = 0; any; k0 += kChunk) {
+      any = false;
+      for (std::int32_t b = 0; b < kSub; ++b) {
+        Sub& u = sub[b];
+        if (!u.active) continue;
+        const std::int32_t i0 = r0 + 4 * b;
+        for (std::int32_t k = k0; k < k0 + kChunk; ++k) {
+          const std::int32_t j = s - 1 - 2 * k, j1 = j - 1;
+          if (j <= i0 || u.left == 0) {
+            u.active = false;
+            break;
+          }
+          dot4x2(u.a[0], u.a[1], u.a[2], u.a[3], normed + static_cast<std::int64_t>(j) * dim,
+                 normed + static_cast<std::int64_t>(j1) * dim, dim, c, c1);
+          u.lowest = j1;
+          for (int t = 0; t < 4; ++t) {
+            const std::int32_t i = i0 + t;
+            if (i >= s) break;
+            if (j > i && c[t] > thr) {  // j before j1: the first match is the largest
+              low[j] = std::max(low[j], i);
+              if (u.open[t]) {
+                near[i] = j;
+                u.open[t] = false;
+                --u.left;
+              }
+            }
+            if (j1 > i && c1[t] > thr) {
+              low[j1] = std::max(low[j1], i);
+              if (u.open[t]) {
+                near[i] = j1;
+                u.open[t] = false;
+                --u.left;
+              }
+            }
+          }
         }
-        open[t] = false;
-        --left;
+        if (u.left == 0) u.active = false;
+        any = any || u.active;
       }
     }
+    for (std::int32_t b = 0; b < kSub; ++b)
+      for (int t = 0; t < 4 && r0 + 4 * b + t < s; ++t)
+        reach[r0 + 4 * b + t] = std::max(sub[b].lowest, r0 + 4 * b + t + 1);
+  }
+  // Phase B. Only rows that stopped early (reach[j] > j+1) left pairs (j, i > j) uncomputed.
+  std::int32_t n_early = 0;
+  for (std::int32_t j = 0; j < s; ++j)
+    if (reach[j] > j + 1) early[n_early++] = j;
+  std::int32_t below = 0;  // early[0 .. below) are the early rows < i
+  for (std::int32_t i = 0; i < s; ++i) {
+    while (below < n_early && early[below] < i) ++below;
+    if (near[i] >= 0) continue;
+    const float* ni = normed + static_cast<std::int64_t>(i) * dim;
+    std::int32_t found = -1;
+    for (std::int32_t e = below - 1; e >= 0 && early[e] > low[i]; --e) {
+      const std::int32_t j = early[e];
+      if (reach[j] <= i) continue;  // computed in phase A: not a match (j > low[i])
+      dot4(ni, ni, ni, ni, normed + static_cast<std::int64_t>(j) * dim, dim, c);
+      if (c[0] > thr) {
+        found = j;
+        break;
+      }
+    }
+    near[i] = found >= 0 ? found : (low[i] >= 0 ? low[i] : 0);
   }
   // Column sums: <sum_i n_i, n_j> - <n_j, n_j> - sum_{r(i) = j, i != j} <n_i, n_j>.
   for (std::int32_t d = 0; d < dim; ++d) nsum[d] = 0.0;
@@ -614,7 +704,8 @@ class Compressor {
           for (std::int32_t j = 0; j < n_cand; ++j) hs.imp[j] = 0.0;
         }
         if (Scorer::kUsesRedundancy) {
-          detail::redundancy(hs.normed, s, dim, p.similarity_threshold, hs.near, hs.nsum, hs.red);
+          detail::redundancy(hs.normed, s, dim, p.similarity_threshold, hs.near, hs.low, hs.reach,
+                             hs.early, hs.nsum, hs.red);
         } else {
           for (std::int32_t j = 0; j < s; ++j) hs.red[j] = 0.0;
         }
