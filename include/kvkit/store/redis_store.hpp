@@ -5,7 +5,10 @@
 // Why it does not stall: every batch is one pipeline (redisAppendCommandArgv, replies
 // read in order), so N keys cost about one round trip plus N * value / bandwidth instead
 // of N round trips (the seed's one GET per key). The pipeline is a sliding window bounded
-// in commands and bytes in flight, so neither side buffers a whole batch. hiredis 0.14
+// in commands and bytes in flight, so neither side buffers a whole batch. hiredis formats
+// and writes the commands; replies are parsed here straight from the socket (256 KiB
+// reads, each value copied once into the caller's string; hiredis 0.14's reader reads
+// 16 KiB at a time and copies every value twice). hiredis 0.14
 // only has per-socket-operation timeouts (SO_RCVTIMEO / SO_SNDTIMEO), so the batch
 // deadline is ours: it is checked before each reply, and near the end the socket timeout
 // is lowered to the time left, so a batch returns within its deadline plus at most one
@@ -16,6 +19,7 @@
 // is still SIG_DFL (a process-wide setting, as most servers already have it).
 
 #include <hiredis/hiredis.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -23,6 +27,7 @@
 #include <csignal>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -137,20 +142,19 @@ class RedisBackend final : public BlockBackend {
   Status get(const std::string* keys, std::size_t n, std::string* values,
              KeyState* states) override {
     return pipeline(
-        n, states,
+        n, states, values,
         [&](std::size_t i) {
           const char* argv[2] = {"GET", keys[i].data()};
           const std::size_t len[2] = {3, keys[i].size()};
           redisAppendCommandArgv(ctx_, 2, argv, len);
           return keys[i].size() + 32 + expected_value_bytes_;
         },
-        [&](std::size_t i, redisReply* r) {
-          if (r->type == REDIS_REPLY_STRING) {
-            values[i].assign(r->str, r->len);
-            expected_value_bytes_ = r->len;
+        [&](std::size_t i, const Reply& r) {
+          if (r.type == '$' && !r.nil) {
+            expected_value_bytes_ = values[i].size();
             return KeyState::kHit;
           }
-          return r->type == REDIS_REPLY_NIL ? KeyState::kMiss : reply_error(r);
+          return r.type == '$' ? KeyState::kMiss : reply_error(r);
         });
   }
 
@@ -158,45 +162,45 @@ class RedisBackend final : public BlockBackend {
              KeyState* states) override {
     const std::string ttl = std::to_string(opt_.ttl_seconds);
     return pipeline(
-        n, states,
+        n, states, nullptr,
         [&](std::size_t i) {
           const char* argv[5] = {"SET", keys[i].data(), values[i].data(), "EX", ttl.data()};
           const std::size_t len[5] = {3, keys[i].size(), values[i].size(), 2, ttl.size()};
           redisAppendCommandArgv(ctx_, opt_.ttl_seconds != 0 ? 5 : 3, argv, len);
           return keys[i].size() + values[i].size() + 64;
         },
-        [&](std::size_t, redisReply* r) {
-          return r->type == REDIS_REPLY_STATUS ? KeyState::kHit : reply_error(r);
+        [&](std::size_t, const Reply& r) {
+          return r.type == '+' ? KeyState::kHit : reply_error(r);
         });
   }
 
   Status exists(const std::string* keys, std::size_t n, KeyState* states) override {
     return pipeline(
-        n, states,
+        n, states, nullptr,
         [&](std::size_t i) {
           const char* argv[2] = {"EXISTS", keys[i].data()};
           const std::size_t len[2] = {6, keys[i].size()};
           redisAppendCommandArgv(ctx_, 2, argv, len);
           return keys[i].size() + 32;
         },
-        [&](std::size_t, redisReply* r) {
-          if (r->type != REDIS_REPLY_INTEGER) return reply_error(r);
-          return r->integer > 0 ? KeyState::kHit : KeyState::kMiss;
+        [&](std::size_t, const Reply& r) {
+          if (r.type != ':') return reply_error(r);
+          return r.integer > 0 ? KeyState::kHit : KeyState::kMiss;
         });
   }
 
   Status remove(const std::string* keys, std::size_t n) override {
     states_.resize(n);
     return pipeline(
-        n, states_.data(),
+        n, states_.data(), nullptr,
         [&](std::size_t i) {
           const char* argv[2] = {"DEL", keys[i].data()};
           const std::size_t len[2] = {3, keys[i].size()};
           redisAppendCommandArgv(ctx_, 2, argv, len);
           return keys[i].size() + 32;
         },
-        [&](std::size_t, redisReply* r) {
-          return r->type == REDIS_REPLY_INTEGER ? KeyState::kHit : reply_error(r);
+        [&](std::size_t, const Reply& r) {
+          return r.type == ':' ? KeyState::kHit : reply_error(r);
         });
   }
 
@@ -223,13 +227,21 @@ class RedisBackend final : public BlockBackend {
   void drop() {
     if (ctx_ != nullptr) redisFree(ctx_);
     ctx_ = nullptr;
+    rpos_ = rlen_ = 0;  // unread replies belong to the dropped connection
   }
 
-  KeyState reply_error(const redisReply* r) {
-    if (first_error_.empty()) {
-      first_error_ = r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len)
-                                                  : "unexpected reply type " + std::to_string(r->type);
-    }
+  // One RESP reply of the commands used here (arrays are a protocol error).
+  struct Reply {
+    char type = 0;             // '$' bulk, '+' status, '-' error, ':' integer
+    bool nil = false;          // '$-1'
+    std::int64_t integer = 0;  // ':' value
+    std::string_view text;     // '+' / '-' line (valid until the next read)
+  };
+
+  KeyState reply_error(const Reply& r) {
+    if (first_error_.empty())
+      first_error_ = r.type == '-' ? std::string(r.text)
+                                   : std::string("unexpected reply type '") + r.type + "'";
     return KeyState::kError;
   }
 
@@ -329,10 +341,159 @@ class RedisBackend final : public BlockBackend {
     return ping_locked(deadline);
   }
 
+  // Replies are read straight from the socket (hiredis 0.14's reader reads 16 KiB at a
+  // time and copies every value twice): big reads into rbuf_, a GET value copied once
+  // into its destination string, or read into it directly when it is large. Every
+  // blocking read is armed with arm_timeout first.
+  Status read_some(char* dst, std::size_t cap, std::size_t* got,  // dst: [cap]
+                   Clock::time_point deadline) {
+    for (;;) {
+      if (!arm_timeout(deadline)) {
+        drop();
+        return make_status(StatusCode::kTimeout, "redis ", opt_.host, ":", opt_.port,
+                           ": batch deadline of ", opt_.batch_deadline.count(), " ms passed");
+      }
+      const ssize_t r = ::read(ctx_->fd, dst, cap);
+      if (r > 0) {
+        *got = static_cast<std::size_t>(r);
+        return Status::ok();
+      }
+      if (r < 0 && errno == EINTR) continue;
+      const int err = r == 0 ? 0 : errno;
+      drop();
+      if (err == EAGAIN || err == EWOULDBLOCK)
+        return make_status(StatusCode::kTimeout, "redis ", opt_.host, ":", opt_.port,
+                           ": no answer within the socket timeout or batch deadline");
+      return make_status(StatusCode::kIoError, "redis ", opt_.host, ":", opt_.port, ": ",
+                         err == 0 ? "server closed the connection" : std::strerror(err));
+    }
+  }
+
+  // Appends at least one byte to rbuf_ (moving the unread tail to the front first).
+  Status fill(Clock::time_point deadline) {
+    if (rpos_ > 0) {
+      std::memmove(&rbuf_[0], rbuf_.data() + rpos_, rlen_ - rpos_);
+      rlen_ -= rpos_;
+      rpos_ = 0;
+    }
+    if (rbuf_.size() < kReadChunk) rbuf_.resize(kReadChunk);
+    if (rlen_ == rbuf_.size()) rbuf_.resize(2 * rbuf_.size());  // an absurdly long line
+    std::size_t got = 0;
+    KVKIT_RETURN_IF_ERROR(read_some(&rbuf_[rlen_], rbuf_.size() - rlen_, &got, deadline));
+    rlen_ += got;
+    return Status::ok();
+  }
+
+  Status read_line(std::string_view* line, Clock::time_point deadline) {
+    std::size_t scan = rpos_;
+    for (;;) {
+      for (; scan + 1 < rlen_; ++scan)
+        if (rbuf_[scan] == '\r' && rbuf_[scan + 1] == '\n') {
+          *line = std::string_view(rbuf_.data() + rpos_, scan - rpos_);
+          rpos_ = scan + 2;
+          return Status::ok();
+        }
+      const std::size_t scanned = scan - rpos_;
+      KVKIT_RETURN_IF_ERROR(fill(deadline));
+      scan = rpos_ + scanned;
+    }
+  }
+
+  Status protocol_error(const char* what) {
+    drop();
+    return make_status(StatusCode::kIoError, "redis ", opt_.host, ":", opt_.port,
+                       ": protocol error: ", what);
+  }
+
+  static bool parse_int(std::string_view s, std::int64_t* out) {
+    bool neg = false;
+    if (!s.empty() && s[0] == '-') {
+      neg = true;
+      s.remove_prefix(1);
+    }
+    if (s.empty() || s.size() > 18) return false;
+    std::int64_t v = 0;
+    for (char c : s) {
+      if (c < '0' || c > '9') return false;
+      v = v * 10 + (c - '0');
+    }
+    *out = neg ? -v : v;
+    return true;
+  }
+
+  // Reads one reply; a bulk string goes to *dest (or is skipped when dest is null).
+  Status read_reply(Reply* out, std::string* dest, Clock::time_point deadline) {
+    std::string_view line;
+    KVKIT_RETURN_IF_ERROR(read_line(&line, deadline));
+    if (line.empty()) return protocol_error("empty reply line");
+    Reply r;
+    r.type = line[0];
+    line.remove_prefix(1);
+    switch (r.type) {
+      case '+':
+      case '-': r.text = line; break;
+      case ':':
+        if (!parse_int(line, &r.integer)) return protocol_error("bad integer reply");
+        break;
+      case '$': {
+        std::int64_t n = 0;
+        if (!parse_int(line, &n) || n < -1) return protocol_error("bad bulk length");
+        if (n < 0) {
+          r.nil = true;
+          break;
+        }
+        const std::size_t len = static_cast<std::size_t>(n);
+        std::size_t copied = 0;
+        if (dest != nullptr) dest->resize(len);
+        while (copied < len) {
+          const std::size_t avail = std::min(len - copied, rlen_ - rpos_);
+          if (dest != nullptr && avail > 0) std::memcpy(&(*dest)[copied], rbuf_.data() + rpos_, avail);
+          rpos_ += avail;
+          copied += avail;
+          if (copied == len) break;
+          if (dest != nullptr && len - copied >= kReadChunk / 2) {  // large: read in place
+            std::size_t got = 0;
+            KVKIT_RETURN_IF_ERROR(read_some(&(*dest)[copied], len - copied, &got, deadline));
+            copied += got;
+          } else {
+            KVKIT_RETURN_IF_ERROR(fill(deadline));
+          }
+        }
+        while (rlen_ - rpos_ < 2) KVKIT_RETURN_IF_ERROR(fill(deadline));
+        if (rbuf_[rpos_] != '\r' || rbuf_[rpos_ + 1] != '\n')
+          return protocol_error("bulk string not terminated by CRLF");
+        rpos_ += 2;
+        break;
+      }
+      default: return protocol_error("unexpected reply type");
+    }
+    *out = r;
+    return Status::ok();
+  }
+
+  // Writes every appended command (blocking, each write armed with arm_timeout).
+  Status flush(Clock::time_point deadline) {
+    int done = 0;
+    while (!done) {
+      if (!arm_timeout(deadline)) {
+        drop();
+        return make_status(StatusCode::kTimeout, "redis ", opt_.host, ":", opt_.port,
+                           ": batch deadline passed while writing");
+      }
+      errno = 0;
+      if (redisBufferWrite(ctx_, &done) != REDIS_OK) return io_failure("write", deadline);
+    }
+    return Status::ok();
+  }
+
   // The sliding-window pipeline: issue(i) appends key i's command and returns its cost in
-  // bytes; take(i, reply) turns reply i into a KeyState. Keys without a reply end as kError.
+  // bytes; take(i, reply) turns reply i into a KeyState (a bulk reply was already read
+  // into values[i] when values is not null). The window is refilled when half empty, so
+  // commands go out in groups (one write each). Keys without a reply end as kError.
   template <class Issue, class Take>
-  Status pipeline(std::size_t n, KeyState* states, Issue&& issue, Take&& take) {  // states: [n]
+  Status pipeline(std::size_t n, KeyState* states,  // [n]
+                  std::string* values,              // [n] or null
+                  Issue&& issue, Take&& take) {
     first_error_.clear();
     if (n == 0) return Status::ok();
     const Clock::time_point deadline = Clock::now() + opt_.batch_deadline;
@@ -341,29 +502,32 @@ class RedisBackend final : public BlockBackend {
     if (st.is_ok()) {
       costs_.resize(n);
       std::size_t next = 0, inflight_bytes = 0;
+      const std::size_t max_cmds = opt_.max_inflight_commands, max_bytes = opt_.max_inflight_bytes;
       while (done < n) {
-        while (next < n && next - done < opt_.max_inflight_commands &&
-               (next == done || inflight_bytes + costs_[next - 1] <= opt_.max_inflight_bytes)) {
-          costs_[next] = issue(next);
-          inflight_bytes += costs_[next];
-          ++next;
+        if (next < n && (next == done || (2 * (next - done) <= max_cmds &&
+                                          2 * inflight_bytes <= max_bytes))) {
+          // Flushed every kFlushBytes: hiredis moves the unwritten rest of its output
+          // buffer to the front after each partial write, so small flushes stay cheap.
+          std::size_t unflushed = 0;
+          while (next < n && next - done < max_cmds &&
+                 (next == done || inflight_bytes + costs_[next - 1] <= max_bytes)) {
+            costs_[next] = issue(next);
+            inflight_bytes += costs_[next];
+            unflushed += costs_[next];
+            ++next;
+            if (unflushed >= kFlushBytes) {
+              st = flush(deadline);
+              if (!st.is_ok()) break;
+              unflushed = 0;
+            }
+          }
+          if (st.is_ok() && unflushed > 0) st = flush(deadline);
+          if (!st.is_ok()) break;
         }
-        if (!arm_timeout(deadline)) {
-          drop();
-          st = make_status(StatusCode::kTimeout, "redis ", opt_.host, ":", opt_.port,
-                           ": batch deadline of ", opt_.batch_deadline.count(), " ms passed after ",
-                           done, " of ", n, " replies");
-          break;
-        }
-        void* raw = nullptr;
-        errno = 0;
-        if (redisGetReply(ctx_, &raw) != REDIS_OK || raw == nullptr) {
-          st = io_failure("pipeline", deadline);
-          break;
-        }
-        auto* r = static_cast<redisReply*>(raw);
+        Reply r;
+        st = read_reply(&r, values != nullptr ? &values[done] : nullptr, deadline);
+        if (!st.is_ok()) break;
         states[done] = take(done, r);
-        freeReplyObject(r);
         inflight_bytes -= costs_[done];
         ++done;
         if (opt_.on_reply) opt_.on_reply(done);
@@ -375,6 +539,9 @@ class RedisBackend final : public BlockBackend {
     return st;
   }
 
+  static constexpr std::size_t kReadChunk = 256u << 10;
+  static constexpr std::size_t kFlushBytes = 256u << 10;
+
   RedisOptions opt_;
   redisContext* ctx_ = nullptr;
   std::chrono::microseconds armed_{-1};  // socket timeout now set; -1: unknown
@@ -383,6 +550,8 @@ class RedisBackend final : public BlockBackend {
   std::string first_error_;
   std::vector<std::size_t> costs_;  // [n] cost of each issued command
   std::vector<KeyState> states_;    // remove()'s scratch
+  std::string rbuf_;                // reply bytes read, [rpos_, rlen_) not yet parsed
+  std::size_t rpos_ = 0, rlen_ = 0;
 };
 
 }  // namespace store
