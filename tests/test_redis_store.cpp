@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <random>
@@ -27,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvkit/store/redis_cluster.hpp"
 #include "kvkit/store/redis_store.hpp"
 #include "reference.hpp"
 
@@ -67,7 +69,8 @@ int free_port() {
 // A private redis-server on a free loopback port (no persistence), stopped on destruction.
 class RedisServer {
  public:
-  explicit RedisServer(std::string password = {}) : password_(std::move(password)) {
+  explicit RedisServer(std::string password = {}, bool cluster_enabled = false)
+      : password_(std::move(password)), cluster_(cluster_enabled) {
     binary_ = find_redis_server();
     if (binary_.empty()) return;
     for (int attempt = 0; attempt < 5 && pid_ <= 0; ++attempt) {
@@ -107,6 +110,12 @@ class RedisServer {
       args.push_back("--requirepass");
       args.push_back(password_);
     }
+    if (cluster_) {  // a lone cluster node (no slots): enough for CLUSTER KEYSLOT
+      args.push_back("--cluster-enabled");
+      args.push_back("yes");
+      args.push_back("--cluster-config-file");
+      args.push_back("kvkit-test-nodes-" + std::to_string(::getpid()) + "-" + port + ".conf");
+    }
     const pid_t pid = ::fork();
     if (pid == 0) {
       const int devnull = ::open("/dev/null", O_WRONLY);
@@ -145,10 +154,15 @@ class RedisServer {
     int wstatus = 0;
     ::waitpid(pid_, &wstatus, 0);
     pid_ = -1;
+    if (cluster_)
+      std::remove(("/tmp/kvkit-test-nodes-" + std::to_string(::getpid()) + "-" +
+                   std::to_string(port_) + ".conf")
+                      .c_str());
   }
 
   std::string binary_;
   std::string password_;
+  bool cluster_ = false;
   int port_ = 0;
   pid_t pid_ = -1;
 };
@@ -483,4 +497,58 @@ TEST_CASE("RedisBackend: server paused or killed mid-batch -> bounded error, the
     REQUIRE(redis.get(keys.data(), n, got.data(), states.data()).is_ok());
     for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
   }
+}
+
+TEST_CASE("cluster_key_slot matches CLUSTER KEYSLOT on 10k keys", "[redis][cluster]") {
+  CHECK(crc16_xmodem("123456789", 9) == 0x31C3);
+  CHECK(cluster_hash_part("a{b}c") == "b");
+  CHECK(cluster_hash_part("a{}c{d}") == "a{}c{d}");  // empty first tag: whole key
+  CHECK(cluster_hash_part("a}b{c") == "a}b{c");
+  CHECK(cluster_hash_part("{x}{y}") == "x");
+  RedisServer server({}, /*cluster_enabled=*/true);
+  if (!server.running()) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  std::vector<std::string> keys;
+  const std::string ns = make_namespace("m");
+  for (int i = 0; i < 3000; ++i) {
+    BlockHash h;
+    for (auto& b : h.bytes) b = static_cast<std::uint8_t>(rng());
+    const int layer = static_cast<int>(rng() % 64);
+    keys.push_back(block_key(ns, layer, h, KVKind::kKey));
+    keys.push_back(block_key(ns, layer, h, KVKind::kValue, KeyStyle::kClusterTagged));
+    // All keys of a tagged block share the slot of its hash.
+    CHECK(cluster_key_slot(block_key(ns, 0, h, KVKind::kKey, KeyStyle::kClusterTagged)) ==
+          cluster_key_slot(block_key(ns, 31, h, KVKind::kValue, KeyStyle::kClusterTagged)));
+  }
+  const char alphabet[] = "ab{}:xyz\x01\xff";
+  while (keys.size() < 10000) {  // short random keys over an alphabet rich in braces
+    std::string k(1 + rng() % 12, ' ');
+    for (auto& c : k) c = alphabet[rng() % (sizeof(alphabet) - 1)];
+    keys.push_back(k);
+  }
+  redisContext* c = redisConnect("127.0.0.1", server.port());
+  REQUIRE(c != nullptr);
+  REQUIRE(c->err == 0);
+  for (const auto& k : keys) {
+    const char* argv[3] = {"CLUSTER", "KEYSLOT", k.data()};
+    const std::size_t len[3] = {7, 7, k.size()};
+    redisAppendCommandArgv(c, 3, argv, len);
+  }
+  std::size_t mismatches = 0;
+  for (const auto& k : keys) {
+    void* raw = nullptr;
+    REQUIRE(redisGetReply(c, &raw) == REDIS_OK);
+    auto* r = static_cast<redisReply*>(raw);
+    REQUIRE(r->type == REDIS_REPLY_INTEGER);
+    if (r->integer != cluster_key_slot(k)) {
+      ++mismatches;
+      UNSCOPED_INFO("key '" << k << "': server " << r->integer << ", ours " << cluster_key_slot(k));
+    }
+    freeReplyObject(r);
+  }
+  redisFree(c);
+  CHECK(mismatches == 0);
 }
