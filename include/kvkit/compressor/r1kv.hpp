@@ -122,8 +122,8 @@ namespace detail {
 
 /// Four dot products <a_r, b> over D floats: each load of b serves four rows. Eight
 /// independent lanes per row (GCC/Clang vector extensions, plain arrays elsewhere) so the
-/// loop vectorises without -ffast-math; lanes are summed in a fixed order, so results do
-/// not depend on the instruction set beyond FMA contraction.
+/// loop vectorises without -ffast-math; lanes are summed in a fixed order (reduce8), so
+/// results do not depend on the instruction set beyond FMA contraction.
 #if defined(__GNUC__) || defined(__clang__)
 // 8 lanes: one ymm with AVX (16-lane zmm measured slower on Zen 4), two xmm on SSE2.
 constexpr int kLanes = 8;
@@ -131,6 +131,40 @@ typedef float F8 __attribute__((vector_size(kLanes * 4)));
 // By reference: returning a 32-byte vector by value changes the ABI without AVX (-Wpsabi).
 inline void load8(F8& v, const float* p) {  // p: [kLanes], any alignment
   std::memcpy(&v, p, sizeof(v));
+}
+/// Horizontal sums of eight vectors at once: out[k] = sum of the lanes of v_k, for
+/// v = (v0, v1, v2, v3, v4, v5, v6, v7) returned as lanes (v0, v2, v4, v6, v1, v3, v5, v7).
+/// Every lane sum is ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), whatever the other vectors.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define KVKIT_R1KV_SHUFFLE 1
+#endif
+#endif
+inline void reduce8(const F8& v0, const F8& v1, const F8& v2, const F8& v3, const F8& v4,
+                    const F8& v5, const F8& v6, const F8& v7, float out[8]) {
+#if defined(KVKIT_R1KV_SHUFFLE)
+  const F8 w0 = __builtin_shufflevector(v0, v1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(v0, v1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const F8 w1 = __builtin_shufflevector(v2, v3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(v2, v3, 4, 5, 6, 7, 12, 13, 14, 15);
+  const F8 w2 = __builtin_shufflevector(v4, v5, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(v4, v5, 4, 5, 6, 7, 12, 13, 14, 15);
+  const F8 w3 = __builtin_shufflevector(v6, v7, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(v6, v7, 4, 5, 6, 7, 12, 13, 14, 15);
+  const F8 x0 = __builtin_shufflevector(w0, w1, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(w0, w1, 2, 3, 10, 11, 6, 7, 14, 15);
+  const F8 x1 = __builtin_shufflevector(w2, w3, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(w2, w3, 2, 3, 10, 11, 6, 7, 14, 15);
+  const F8 y = __builtin_shufflevector(x0, x1, 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(x0, x1, 1, 3, 9, 11, 5, 7, 13, 15);
+  std::memcpy(out, &y, sizeof(y));
+#else
+  const F8* v[8] = {&v0, &v2, &v4, &v6, &v1, &v3, &v5, &v7};
+  for (int k = 0; k < 8; ++k) {
+    const F8& x = *v[k];
+    out[k] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+  }
+#endif
 }
 inline void dot4(const float* a0, const float* a1, const float* a2, const float* a3,  // [D] each
                  const float* b,                                                      // [D]
@@ -149,13 +183,9 @@ inline void dot4(const float* a0, const float* a1, const float* a2, const float*
     s2 += x2 * bv;
     s3 += x3 * bv;
   }
-  float r[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int l = 0; l < kLanes; ++l) {
-    r[0] += s0[l];
-    r[1] += s1[l];
-    r[2] += s2[l];
-    r[3] += s3[l];
-  }
+  const F8 z = {};
+  float r[8];
+  reduce8(s0, z, s1, z, s2, z, s3, z, r);  // r[0..4) = rows 0..3
   for (; d < dim; ++d) {
     r[0] += a0[d] * b[d];
     r[1] += a1[d] * b[d];
@@ -165,7 +195,7 @@ inline void dot4(const float* a0, const float* a1, const float* a2, const float*
   for (int i = 0; i < 4; ++i) out[i] = r[i];
 }
 /// dot4 against two columns b0 and b1 at once (8 accumulators, 6 loads per 8 FMAs); the
-/// same per-lane arithmetic and lane order as dot4, so results equal two dot4 calls.
+/// same per-lane arithmetic and reduction order as dot4, so results equal two dot4 calls.
 inline void dot4x2(const float* a0, const float* a1, const float* a2, const float* a3,  // [D] each
                    const float* b0, const float* b1,                                  // [D] each
                    std::int32_t dim, float out0[4], float out1[4]) {
@@ -193,20 +223,11 @@ inline void dot4x2(const float* a0, const float* a1, const float* a2, const floa
     dot4(a0, a1, a2, a3, b1, dim, out1);
     return;
   }
-  float r[4] = {0.f, 0.f, 0.f, 0.f}, q[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int l = 0; l < kLanes; ++l) {
-    r[0] += s0[l];
-    r[1] += s1[l];
-    r[2] += s2[l];
-    r[3] += s3[l];
-    q[0] += t0[l];
-    q[1] += t1[l];
-    q[2] += t2[l];
-    q[3] += t3[l];
-  }
+  float r[8];
+  reduce8(s0, t0, s1, t1, s2, t2, s3, t3, r);  // (s0, s1, s2, s3, t0, t1, t2, t3)
   for (int i = 0; i < 4; ++i) {
     out0[i] = r[i];
-    out1[i] = q[i];
+    out1[i] = r[4 + i];
   }
 }
 #else
@@ -305,19 +326,23 @@ inline void importance(const float* queries, const float* keys, std::int32_t gro
                        std::int32_t kernel, float* logits, double* attn, double* imp) {
   const float inv_norm = std::sqrt(static_cast<float>(dim));
   const std::int32_t gr = groups * rows;
-  float tmp[4];
-  for (std::int32_t j = 0; j < n_cand; ++j) {
+  float tmp[4], tmp1[4];
+  for (std::int32_t r = 0; r < rows; ++r)
+    for (std::int32_t j = 0; j < n_cand; ++j)
+      logits[static_cast<std::int64_t>(r) * n_cand + j] = -std::numeric_limits<float>::infinity();
+  for (std::int32_t j = 0; j < n_cand; j += 2) {  // keys two at a time, queries four
+    const std::int32_t j1 = std::min(j + 1, n_cand - 1);
     const float* kj = keys + static_cast<std::int64_t>(j) * dim;
-    for (std::int32_t r = 0; r < rows; ++r) logits[static_cast<std::int64_t>(r) * n_cand + j] =
-        -std::numeric_limits<float>::infinity();
+    const float* kj1 = keys + static_cast<std::int64_t>(j1) * dim;
     for (std::int32_t q0 = 0; q0 < gr; q0 += 4) {
       const float* qa[4];
       for (int t = 0; t < 4; ++t)
         qa[t] = queries + static_cast<std::int64_t>(std::min(q0 + t, gr - 1)) * dim;
-      dot4(qa[0], qa[1], qa[2], qa[3], kj, dim, tmp);
+      dot4x2(qa[0], qa[1], qa[2], qa[3], kj, kj1, dim, tmp, tmp1);
       for (int t = 0; t < 4 && q0 + t < gr; ++t) {
-        float& l = logits[static_cast<std::int64_t>((q0 + t) % rows) * n_cand + j];
-        l = std::max(l, tmp[t]);  // GQA max over the group, on raw logits
+        float* row = logits + static_cast<std::int64_t>((q0 + t) % rows) * n_cand;
+        row[j] = std::max(row[j], tmp[t]);  // GQA max over the group, on raw logits
+        row[j1] = std::max(row[j1], tmp1[t]);
       }
     }
   }
