@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <iomanip>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -62,9 +63,10 @@ const char* kFooter =
     "  prints the text; the prompt is prefilled in batched passes (--prefill tokens: one step per\n"
     "  token). --json adds prompt_tokens, tokens, text, tokens_per_s (decode) and\n"
     "  prefill_tokens_per_s. `kvkit chat --model M.gguf` reads one user turn per stdin line.\n"
-    "llama2.c models (.bin) and the synthetic model: --prompt \"1 2 3\" gives token ids (whitespace or commas between them; include\n"
-    "  1 = BOS yourself); repeat --prompt for several prompts. --prompt-file F holds one prompt\n"
-    "  per line in the same format (blank lines and lines starting with # are skipped).\n"
+    "llama2.c models (.bin) and the synthetic model: --prompt \"1 2 3\" gives token ids\n"
+    "  (whitespace or commas between them; include 1 = BOS yourself); repeat --prompt for\n"
+    "  several prompts. --prompt-file F holds one prompt per line in the same format (blank\n"
+    "  lines and lines starting with # are skipped).\n"
     "  Sequence b of the batch decodes prompt b mod (number of prompts): fewer prompts than\n"
     "  --batch cycle, more are cut. --batch defaults to the number of prompts. Without a\n"
     "  prompt every sequence starts from BOS. --steps counts positions processed per sequence,\n"
@@ -168,7 +170,7 @@ void add_engine_options(CLI::App& cmd, Options& o, bool prompts = true) {
   cmd.add_option("--num-pages", o.num_pages, "pages in the KV pool (default: batch x ceil(seq_len / page size))")
       ->type_name("N")
       ->check(int_in(1, int_max));
-  cmd.add_option("--threads", o.threads, "threads of the KV kernels, 1 to " + std::to_string(kMaxThreads) + " (default 1)")
+  cmd.add_option("--threads", o.threads, "threads of the KV kernels and of batched prefill, 1 to " + std::to_string(kMaxThreads) + " (default 1)")
       ->type_name("T")
       ->check(int_in(1, kMaxThreads));
   cmd.add_option("--layout", o.layout, "page layout: nhd or hnd (default nhd)")
@@ -749,8 +751,8 @@ std::string stats_line(const TurnStats& t) {
   std::ostringstream os;
   os << t.prompt << " prompt tokens";
   if (t.reused > 0) os << " (+" << t.reused << " reused from the cache)";
-  os << " at " << static_cast<std::int64_t>(t.prefill_tps() + 0.5) << " tokens/s, " << t.generated.size()
-     << " generated at " << static_cast<std::int64_t>(t.decode_tps() + 0.5) << " tokens/s, stop: " << t.stop;
+  os << std::fixed << std::setprecision(1) << " at " << t.prefill_tps() << " tokens/s, " << t.generated.size()
+     << " generated at " << t.decode_tps() << " tokens/s, stop: " << t.stop;
   return os.str();
 }
 
