@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kvkit/store/redis_cluster.hpp"
+#include "kvkit/store/redis_cluster_store.hpp"
 #include "kvkit/store/redis_store.hpp"
 #include "reference.hpp"
 
@@ -66,6 +67,17 @@ int free_port() {
   return port;
 }
 
+bool port_free(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
 // A private redis-server on a free loopback port (no persistence), stopped on destruction.
 class RedisServer {
  public:
@@ -73,8 +85,10 @@ class RedisServer {
       : password_(std::move(password)), cluster_(cluster_enabled) {
     binary_ = find_redis_server();
     if (binary_.empty()) return;
-    for (int attempt = 0; attempt < 5 && pid_ <= 0; ++attempt) {
+    for (int attempt = 0; attempt < 8 && pid_ <= 0; ++attempt) {
       port_ = free_port();
+      // A cluster node also listens on port + 10000 (the cluster bus).
+      if (cluster_ && (port_ > 55535 || !port_free(port_ + 10000))) continue;
       if (!spawn()) stop();
     }
   }
@@ -271,7 +285,8 @@ TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
 namespace {
 
 template <class T>
-void redis_block_round_trip(RedisBackend& redis, std::mt19937_64& rng, Codec codec) {
+void redis_block_round_trip(BlockBackend& redis, std::mt19937_64& rng, Codec codec,
+                            KeyStyle style = KeyStyle::kPlain) {
   for (KVLayout src_layout : {KVLayout::kNHD, KVLayout::kHND})
     for (KVLayout dst_layout : {KVLayout::kNHD, KVLayout::kHND}) {
       CAPTURE(to_string(dtype_of<T>::value), to_string(src_layout), to_string(dst_layout),
@@ -307,6 +322,7 @@ void redis_block_round_trip(RedisBackend& redis, std::mt19937_64& rng, Codec cod
       c.head_dim = s.head_dim;
       c.encode.codec = codec;
       c.blocks_per_batch = 10;
+      c.key_style = style;
       BlockStore<T> store(redis, c);
       std::vector<std::int32_t> tokens(static_cast<std::size_t>(blocks * page));
       for (auto& t : tokens) t = static_cast<std::int32_t>(rng() % 49152);
@@ -551,4 +567,165 @@ TEST_CASE("cluster_key_slot matches CLUSTER KEYSLOT on 10k keys", "[redis][clust
   }
   redisFree(c);
   CHECK(mismatches == 0);
+}
+
+namespace {
+
+// One command on a node, its reply as text (integers and statuses too); "" on failure.
+std::string node_command(int port, const std::vector<std::string>& args) {
+  redisContext* c = redisConnect("127.0.0.1", port);
+  if (c == nullptr || c->err != 0) {
+    if (c != nullptr) redisFree(c);
+    return {};
+  }
+  std::vector<const char*> argv;
+  std::vector<std::size_t> len;
+  for (const auto& a : args) {
+    argv.push_back(a.data());
+    len.push_back(a.size());
+  }
+  auto* r = static_cast<redisReply*>(
+      redisCommandArgv(c, static_cast<int>(args.size()), argv.data(), len.data()));
+  std::string out;
+  if (r != nullptr) {
+    if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS ||
+        r->type == REDIS_REPLY_ERROR)
+      out = std::string(r->str, r->len);
+    else if (r->type == REDIS_REPLY_INTEGER)
+      out = std::to_string(r->integer);
+    freeReplyObject(r);
+  }
+  redisFree(c);
+  return out;
+}
+
+// A 3-master Redis Cluster on free loopback ports, joined with redis-cli --cluster create.
+struct Cluster {
+  std::vector<std::unique_ptr<RedisServer>> servers;
+  bool ok = false;
+  Cluster() {
+    for (int i = 0; i < 3; ++i) {
+      servers.push_back(std::make_unique<RedisServer>(std::string(), true));
+      if (!servers.back()->running()) return;
+    }
+    std::string cmd = "redis-cli --cluster create";
+    for (auto& s : servers) cmd += " 127.0.0.1:" + std::to_string(s->port());
+    cmd += " --cluster-replicas 0 --cluster-yes > /dev/null 2>&1";
+    if (std::system(cmd.c_str()) != 0) return;
+    for (int i = 0; i < 200; ++i) {  // until every node reports the cluster ok
+      bool all = true;
+      for (auto& s : servers)
+        all = all && node_command(s->port(), {"CLUSTER", "INFO"}).find("cluster_state:ok") !=
+                         std::string::npos;
+      if (all) {
+        ok = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  RedisClusterOptions options() const {
+    RedisClusterOptions o;
+    o.seeds.emplace_back("127.0.0.1", servers[0]->port());
+    return o;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("parse_redis_cluster_url", "[redis][cluster]") {
+  RedisClusterOptions o;
+  REQUIRE(parse_redis_cluster_url("redis-cluster://:pw@h1:7000,h2:7001", &o).is_ok());
+  REQUIRE(o.seeds.size() == 2);
+  CHECK(o.seeds[0] == std::make_pair(std::string("h1"), 7000));
+  CHECK(o.seeds[1] == std::make_pair(std::string("h2"), 7001));
+  CHECK(o.node.password == "pw");
+  CHECK_FALSE(parse_redis_cluster_url("redis://h:1", &o).is_ok());
+  CHECK_FALSE(parse_redis_cluster_url("redis-cluster://", &o).is_ok());
+}
+
+TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migration (ASK, MOVED)",
+          "[redis][cluster]") {
+  if (find_redis_server().empty() || std::system("command -v redis-cli > /dev/null 2>&1") != 0) {
+    WARN("no redis-server or no redis-cli (needed for --cluster create): skipped");
+    return;
+  }
+  Cluster cluster;
+  REQUIRE(cluster.ok);
+  KVKIT_TEST_RNG(rng);
+  RedisClusterBackend backend(cluster.options());
+  REQUIRE(backend.refresh().is_ok());
+  CHECK(backend.num_nodes() == 3);
+  for (int slot : {0, 5000, 10000, 16383}) CHECK(backend.slot_owner(slot) >= 0);
+
+  // Plain keys land on every node; round trip through per-node pipelines.
+  const std::size_t n = 3000;
+  std::vector<std::string> keys(n), got(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:c:0:" + std::to_string(rng()) + ":k";
+  const auto values = random_values(n, 4096, rng);
+  std::vector<KeyState> states(n);
+  REQUIRE(backend.put(keys.data(), values.data(), n, states.data()).is_ok());
+  REQUIRE(backend.get(keys.data(), n, got.data(), states.data()).is_ok());
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+  std::set<int> owners;
+  for (const auto& k : keys) owners.insert(backend.slot_owner(cluster_key_slot(k)));
+  CHECK(owners.size() == 3);
+  CHECK(backend.redirects() == 0);
+  REQUIRE(backend.remove(keys.data(), n).is_ok());
+  REQUIRE(backend.exists(keys.data(), n, states.data()).is_ok());
+  for (auto s : states) REQUIRE(s == KeyState::kMiss);
+
+  // BlockStore with cluster-tagged keys (a block's keys share a slot).
+  redis_block_round_trip<half_t>(backend, rng, Codec::kRaw, KeyStyle::kClusterTagged);
+
+  // Live migration of one slot: keys tagged {mig} all live in it.
+  const int slot = cluster_key_slot("{mig}");
+  const int src_idx = backend.slot_owner(slot);
+  REQUIRE(src_idx >= 0);
+  int src_port = 0, dst_port = 0;
+  // Which server owns the slot: the one that answers GET without MOVED.
+  for (auto& s : cluster.servers) {
+    const std::string r = node_command(s->port(), {"GET", "{mig}probe"});
+    if (r.rfind("MOVED", 0) != 0) src_port = s->port();
+  }
+  for (auto& s : cluster.servers)
+    if (s->port() != src_port) dst_port = s->port();
+  REQUIRE(src_port != 0);
+  const std::string src_id = node_command(src_port, {"CLUSTER", "MYID"});
+  const std::string dst_id = node_command(dst_port, {"CLUSTER", "MYID"});
+  const std::size_t m = 200;
+  std::vector<std::string> mkeys(m), mgot(m);
+  for (std::size_t i = 0; i < m; ++i) mkeys[i] = "{mig}:" + std::to_string(i);
+  const auto mvalues = random_values(m, 1000, rng);
+  std::vector<KeyState> mstates(m);
+  REQUIRE(backend.put(mkeys.data(), mvalues.data(), m, mstates.data()).is_ok());
+  const std::string sl = std::to_string(slot);
+  REQUIRE(node_command(dst_port, {"CLUSTER", "SETSLOT", sl, "IMPORTING", src_id}) == "OK");
+  REQUIRE(node_command(src_port, {"CLUSTER", "SETSLOT", sl, "MIGRATING", dst_id}) == "OK");
+  std::vector<std::string> migrate = {"MIGRATE", "127.0.0.1", std::to_string(dst_port), "", "0",
+                                      "5000", "KEYS"};
+  for (std::size_t i = 0; i < m / 2; ++i) migrate.push_back(mkeys[i]);
+  REQUIRE(node_command(src_port, migrate) == "OK");
+  // Half moved: the source answers ASK for those, the backend follows with ASKING.
+  const std::uint64_t before = backend.redirects();
+  Status st = backend.get(mkeys.data(), m, mgot.data(), mstates.data());
+  INFO(st.to_string());
+  REQUIRE(st.is_ok());
+  for (std::size_t i = 0; i < m; ++i) REQUIRE(mgot[i] == mvalues[i]);
+  CHECK(backend.redirects() - before == m / 2);
+  // Finish: move the rest, assign the slot to the target everywhere -> MOVED, map refresh.
+  migrate.resize(7);
+  for (std::size_t i = m / 2; i < m; ++i) migrate.push_back(mkeys[i]);
+  REQUIRE(node_command(src_port, migrate) == "OK");
+  for (auto& s : cluster.servers)
+    REQUIRE(node_command(s->port(), {"CLUSTER", "SETSLOT", sl, "NODE", dst_id}) == "OK");
+  st = backend.get(mkeys.data(), m, mgot.data(), mstates.data());
+  INFO(st.to_string());
+  REQUIRE(st.is_ok());
+  for (std::size_t i = 0; i < m; ++i) REQUIRE(mgot[i] == mvalues[i]);
+  CHECK(backend.slot_owner(slot) != src_idx);
+  // Settled: no further redirections.
+  const std::uint64_t settled = backend.redirects();
+  REQUIRE(backend.get(mkeys.data(), m, mgot.data(), mstates.data()).is_ok());
+  CHECK(backend.redirects() == settled);
 }

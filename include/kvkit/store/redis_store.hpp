@@ -190,7 +190,10 @@ class RedisBackend final : public BlockBackend {
   }
 
   Status remove(const std::string* keys, std::size_t n) override {
-    states_.resize(n);
+    std::size_t range = n;
+    if (index_ != nullptr)
+      for (std::size_t i = 0; i < n; ++i) range = std::max(range, index_[i] + 1);
+    states_.resize(range);
     return pipeline(
         n, states_.data(), nullptr,
         [&](std::size_t i) {
@@ -202,6 +205,24 @@ class RedisBackend final : public BlockBackend {
         [&](std::size_t, const Reply& r) {
           return r.type == ':' ? KeyState::kHit : reply_error(r);
         });
+  }
+
+  /// Runs one call over keys[index[0..m)] only (values, states indexed like keys), with
+  /// MOVED / ASK / TRYAGAIN error replies appended to `redirects` as (index, reply text)
+  /// instead of failing the batch, and ASKING before every command when `asking`. For
+  /// the cluster backend; f is a callable taking this backend and m.
+  template <class F>
+  Status subset(const std::size_t* index,  // [m] positions in the caller's arrays
+                std::size_t m, std::vector<std::pair<std::size_t, std::string>>* redirects,
+                bool asking, F&& f) {
+    index_ = index;
+    redirects_ = redirects;
+    asking_ = asking;
+    const Status s = f(*this, m);
+    index_ = nullptr;
+    redirects_ = nullptr;
+    asking_ = false;
+    return s;
   }
 
   /// One GET per key, each waiting for its reply (the seed's access pattern): a baseline
@@ -239,6 +260,12 @@ class RedisBackend final : public BlockBackend {
   };
 
   KeyState reply_error(const Reply& r) {
+    if (redirects_ != nullptr && r.type == '-' &&
+        (r.text.substr(0, 6) == "MOVED " || r.text.substr(0, 4) == "ASK " ||
+         r.text.substr(0, 8) == "TRYAGAIN")) {
+      redirects_->emplace_back(current_, std::string(r.text));
+      return KeyState::kError;
+    }
     if (first_error_.empty())
       first_error_ = r.type == '-' ? std::string(r.text)
                                    : std::string("unexpected reply type '") + r.type + "'";
@@ -496,6 +523,9 @@ class RedisBackend final : public BlockBackend {
                   Issue&& issue, Take&& take) {
     first_error_.clear();
     if (n == 0) return Status::ok();
+    // Batch position -> caller's index (subset calls of the cluster backend).
+    const std::size_t* const index = index_;
+    auto at = [index](std::size_t i) { return index != nullptr ? index[i] : i; };
     const Clock::time_point deadline = Clock::now() + opt_.batch_deadline;
     std::size_t done = 0;
     Status st = ensure_connected(deadline);
@@ -511,7 +541,12 @@ class RedisBackend final : public BlockBackend {
           std::size_t unflushed = 0;
           while (next < n && next - done < max_cmds &&
                  (next == done || inflight_bytes + costs_[next - 1] <= max_bytes)) {
-            costs_[next] = issue(next);
+            if (asking_) {  // ASK redirection: ASKING must precede the command
+              const char* argv[1] = {"ASKING"};
+              const std::size_t len[1] = {6};
+              redisAppendCommandArgv(ctx_, 1, argv, len);
+            }
+            costs_[next] = issue(at(next));
             inflight_bytes += costs_[next];
             unflushed += costs_[next];
             ++next;
@@ -525,15 +560,25 @@ class RedisBackend final : public BlockBackend {
           if (!st.is_ok()) break;
         }
         Reply r;
-        st = read_reply(&r, values != nullptr ? &values[done] : nullptr, deadline);
+        if (asking_) {
+          st = read_reply(&r, nullptr, deadline);
+          if (!st.is_ok()) break;
+          if (r.type != '+') {
+            st = protocol_error("ASKING was refused");
+            break;
+          }
+        }
+        const std::size_t k = at(done);
+        st = read_reply(&r, values != nullptr ? &values[k] : nullptr, deadline);
         if (!st.is_ok()) break;
-        states[done] = take(done, r);
+        current_ = k;
+        states[k] = take(k, r);
         inflight_bytes -= costs_[done];
         ++done;
         if (opt_.on_reply) opt_.on_reply(done);
       }
     }
-    for (std::size_t i = done; i < n; ++i) states[i] = KeyState::kError;
+    for (std::size_t i = done; i < n; ++i) states[at(i)] = KeyState::kError;
     if (st.is_ok() && !first_error_.empty())
       st = make_status(StatusCode::kIoError, "redis error reply: ", first_error_);
     return st;
@@ -544,6 +589,12 @@ class RedisBackend final : public BlockBackend {
 
   RedisOptions opt_;
   redisContext* ctx_ = nullptr;
+  // Cluster support (set only for one call by Subset): run the batch over keys
+  // index_[0..n), record MOVED / ASK / TRYAGAIN replies instead of failing, send ASKING.
+  const std::size_t* index_ = nullptr;
+  std::vector<std::pair<std::size_t, std::string>>* redirects_ = nullptr;
+  bool asking_ = false;
+  std::size_t current_ = 0;  // caller index of the reply being taken
   std::chrono::microseconds armed_{-1};  // socket timeout now set; -1: unknown
   std::size_t expected_value_bytes_ = 0;  // last GET reply's size: the window's estimate
   std::uint64_t connects_ = 0;
