@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -728,4 +729,49 @@ TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migrat
   const std::uint64_t settled = backend.redirects();
   REQUIRE(backend.get(mkeys.data(), m, mgot.data(), mstates.data()).is_ok());
   CHECK(backend.redirects() == settled);
+}
+
+// Not run by default (hidden tag); prints throughput, asserts only correctness:
+//   test_redis_store "[.bench]"
+// Pipelined get/put vs one GET per key (each waiting for its reply), 2048 values of 16 KiB
+// and 64 KiB on one connection, median of 7 runs each, in the same process.
+TEST_CASE("RedisBackend throughput: pipelined vs one GET per key", "[.bench][redis]") {
+  RedisOptions o;
+  if (!shared_options(&o)) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  o.batch_deadline = std::chrono::milliseconds(60000);
+  RedisBackend redis(o);
+  KVKIT_TEST_RNG(rng);
+  const std::string ns = unique_ns(rng);
+  for (std::size_t size : {std::size_t{16384}, std::size_t{65536}}) {
+    const std::size_t n = 2048;
+    std::vector<std::string> keys(n), got(n);
+    for (std::size_t i = 0; i < n; ++i) keys[i] = "bench:" + ns + ":" + std::to_string(i);
+    const auto values = random_values(n, size, rng);
+    std::vector<KeyState> states(n);
+    auto median_s = [&](auto&& call) {
+      std::vector<double> t;
+      for (int rep = 0; rep < 7; ++rep) {
+        const auto t0 = Clock::now();
+        const Status s = call();
+        t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        REQUIRE(s.is_ok());
+      }
+      std::sort(t.begin(), t.end());
+      return t[3];
+    };
+    const double put_s = median_s([&] { return redis.put(keys.data(), values.data(), n, states.data()); });
+    const double get_s = median_s([&] { return redis.get(keys.data(), n, got.data(), states.data()); });
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+    const double one_s =
+        median_s([&] { return redis.get_unpipelined(keys.data(), n, got.data(), states.data()); });
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+    const double gb = static_cast<double>(n * size) / 1e9;
+    std::printf("redis %zu x %zu B: put %.3f GB/s, get %.3f GB/s, one GET per key %.3f GB/s, "
+                "get vs one-per-key %.2fx\n",
+                n, size, gb / put_s, gb / get_s, gb / one_s, one_s / get_s);
+    REQUIRE(redis.remove(keys.data(), n).is_ok());
+  }
 }
