@@ -49,7 +49,10 @@ struct RedisOptions {
   std::chrono::milliseconds op_timeout{500};       // per socket read/write (hiredis timeout)
   std::chrono::milliseconds batch_deadline{5000};  // whole get/put/exists/remove call
   std::size_t max_inflight_commands = 512;         // pipeline window, commands
-  std::size_t max_inflight_bytes = 16u << 20;      // pipeline window, request + expected reply bytes
+  // Pipeline window in request + expected reply bytes. Small windows keep both ends' buffers
+  // in cache (1 MiB measured 1.3-3x faster than 16 MiB on loopback); raise it to the
+  // bandwidth-delay product of a long network path.
+  std::size_t max_inflight_bytes = 1u << 20;
   std::uint32_t ttl_seconds = 0;                   // SET ... EX ttl when nonzero
   /// Called after each reply of a batch with the number of replies so far (metrics, and
   /// tests that must act at a known point of a batch). Empty: not called.
@@ -596,7 +599,7 @@ class RedisBackend final : public BlockBackend {
   bool asking_ = false;
   std::size_t current_ = 0;  // caller index of the reply being taken
   std::chrono::microseconds armed_{-1};  // socket timeout now set; -1: unknown
-  std::size_t expected_value_bytes_ = 0;  // last GET reply's size: the window's estimate
+  std::size_t expected_value_bytes_ = 16384;  // last GET reply's size: the window's estimate
   std::uint64_t connects_ = 0;
   std::string first_error_;
   std::vector<std::size_t> costs_;  // [n] cost of each issued command
