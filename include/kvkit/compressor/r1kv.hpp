@@ -230,6 +230,34 @@ inline void dot4x2(const float* a0, const float* a1, const float* a2, const floa
     out1[i] = r[4 + i];
   }
 }
+/// dot4 against four columns (16 accumulators: worth it with AVX-512's 32 registers);
+/// the same per-lane arithmetic and reduction order as dot4.
+inline void dot4x4(const float* const a[4],  // 4 rows, [D] each
+                   const float* const b[4],  // 4 columns, [D] each
+                   std::int32_t dim, float out[4][4]) {  // out[column][row]
+  F8 acc[4][4] = {};
+  std::int32_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) {
+    F8 x[4], y[4];
+    for (int t = 0; t < 4; ++t) load8(x[t], a[t] + d);
+    for (int c = 0; c < 4; ++c) load8(y[c], b[c] + d);
+    for (int c = 0; c < 4; ++c)
+      for (int t = 0; t < 4; ++t) acc[c][t] += x[t] * y[c];
+  }
+  if (d < dim) {  // ragged head dim: dot4 handles the scalar tail
+    for (int c = 0; c < 4; ++c) dot4(a[0], a[1], a[2], a[3], b[c], dim, out[c]);
+    return;
+  }
+  for (int c = 0; c < 4; c += 2) {
+    float r[8];
+    reduce8(acc[c][0], acc[c + 1][0], acc[c][1], acc[c + 1][1], acc[c][2], acc[c + 1][2],
+            acc[c][3], acc[c + 1][3], r);
+    for (int t = 0; t < 4; ++t) {
+      out[c][t] = r[t];
+      out[c + 1][t] = r[4 + t];
+    }
+  }
+}
 #else
 inline void dot4(const float* a0, const float* a1, const float* a2, const float* a3,  // [D] each
                  const float* b,                                                      // [D]
@@ -265,6 +293,10 @@ inline void dot4x2(const float* a0, const float* a1, const float* a2, const floa
                    std::int32_t dim, float out0[4], float out1[4]) {
   dot4(a0, a1, a2, a3, b0, dim, out0);
   dot4(a0, a1, a2, a3, b1, dim, out1);
+}
+inline void dot4x4(const float* const a[4], const float* const b[4], std::int32_t dim,
+                   float out[4][4]) {
+  for (int c = 0; c < 4; ++c) dot4(a[0], a[1], a[2], a[3], b[c], dim, out[c]);
 }
 #endif
 
@@ -402,9 +434,15 @@ inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, fl
     low[i] = -1;
     near[i] = -1;
   }
-  // Phase A. Columns go in pairs (j, j-1), j = s-1-2k; 64 rows (16 blocks of 4) share each
-  // chunk of kChunk pairs so the chunk's keys stay in L2 while the rows pass over it.
-  constexpr std::int32_t kSub = 16, kChunk = 128;
+  // Phase A. Columns go in steps of kCols from s-1 down; 64 rows (16 blocks of 4) share
+  // each chunk of 256 columns so the chunk's keys stay in L2 while the rows pass over it.
+  // Columns per step: 4 with AVX-512 (32 vector registers hold the 4x4 tile), else 2.
+#if defined(__AVX512F__)
+  constexpr std::int32_t kCols = 4;
+#else
+  constexpr std::int32_t kCols = 2;
+#endif
+  constexpr std::int32_t kSub = 16, kChunk = 256 / kCols;
   struct Sub {
     const float* a[4];
     bool open[4];
@@ -413,7 +451,7 @@ inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, fl
     std::int32_t lowest;
   };
   Sub sub[kSub];
-  float c[4], c1[4];
+  float cc[4][4];
   for (std::int32_t r0 = 0; r0 < s; r0 += 4 * kSub) {
     bool any = false;
     for (std::int32_t b = 0; b < kSub; ++b) {
@@ -436,31 +474,33 @@ inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, fl
         if (!u.active) continue;
         const std::int32_t i0 = r0 + 4 * b;
         for (std::int32_t k = k0; k < k0 + kChunk; ++k) {
-          const std::int32_t j = s - 1 - 2 * k, j1 = j - 1;
+          const std::int32_t j = s - 1 - kCols * k;  // columns j, j-1, ..., j-kCols+1
           if (j <= i0 || u.left == 0) {
             u.active = false;
             break;
           }
-          dot4x2(u.a[0], u.a[1], u.a[2], u.a[3], normed + static_cast<std::int64_t>(j) * dim,
-                 normed + static_cast<std::int64_t>(j1) * dim, dim, c, c1);
-          u.lowest = j1;
+          if (kCols == 4) {
+            const float* bc[4];
+            for (int c = 0; c < 4; ++c)
+              bc[c] = normed + static_cast<std::int64_t>(std::max(j - c, 0)) * dim;
+            dot4x4(u.a, bc, dim, cc);
+          } else {
+            dot4x2(u.a[0], u.a[1], u.a[2], u.a[3], normed + static_cast<std::int64_t>(j) * dim,
+                   normed + static_cast<std::int64_t>(j - 1) * dim, dim, cc[0], cc[1]);
+          }
+          u.lowest = j - kCols + 1;
           for (int t = 0; t < 4; ++t) {
             const std::int32_t i = i0 + t;
             if (i >= s) break;
-            if (j > i && c[t] > thr) {  // j before j1: the first match is the largest
-              low[j] = std::max(low[j], i);
-              if (u.open[t]) {
-                near[i] = j;
-                u.open[t] = false;
-                --u.left;
-              }
-            }
-            if (j1 > i && c1[t] > thr) {
-              low[j1] = std::max(low[j1], i);
-              if (u.open[t]) {
-                near[i] = j1;
-                u.open[t] = false;
-                --u.left;
+            for (int c = 0; c < kCols; ++c) {  // descending: the first match is the largest
+              const std::int32_t jc = j - c;
+              if (jc > i && cc[c][t] > thr) {
+                low[jc] = std::max(low[jc], i);
+                if (u.open[t]) {
+                  near[i] = jc;
+                  u.open[t] = false;
+                  --u.left;
+                }
               }
             }
           }
@@ -486,6 +526,7 @@ inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, fl
     for (std::int32_t e = below - 1; e >= 0 && early[e] > low[i]; --e) {
       const std::int32_t j = early[e];
       if (reach[j] <= i) continue;  // computed in phase A: not a match (j > low[i])
+      float c[4];
       dot4(ni, ni, ni, ni, normed + static_cast<std::int64_t>(j) * dim, dim, c);
       if (c[0] > thr) {
         found = j;
