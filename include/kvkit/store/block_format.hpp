@@ -5,7 +5,7 @@
 // cluster-safe variant kvblock:{ns}:{layer}:{<block_hash>}:{k|v} whose braces are a Redis
 // Cluster hash tag, so every key of one block (all layers, K and V) maps to one slot.
 //
-// Payload = a fixed 96-byte little-endian header, then the page's rows, optionally
+// Payload = a fixed 104-byte little-endian header, then the page's rows, optionally
 // zstd-compressed. Header (offsets in bytes):
 //    0 u32 magic "KVKB"        4 u16 version (1)       6 u8 dtype (DType)
 //    7 u8 layout (KVLayout of the rows)                8 u8 codec (0 raw, 1 zstd)
@@ -13,8 +13,11 @@
 //   16 u32 page_size          20 u32 num_heads        24 u32 head_dim
 //   28 u32 tokens (rows of each head stored: page_size for a full block)
 //   32 u64 raw_bytes (rows before compression)       40 u64 stored_bytes (after the header)
-//   48 u64 checksum: XXH64 (seed 0) of the raw rows   56 u64 header_checksum: XXH64 of bytes
-//   [0, 56) and [64, 96)      64 32 bytes block hash
+//   48 u64 checksum: XXH64 (seed 0) of the raw rows
+//   56 u64 stored_checksum: XXH64 of the stored bytes after the header (= checksum when raw;
+//          for zstd it catches any flipped bit, even one that decompresses to the same rows)
+//   64 u64 header_checksum: XXH64 of bytes [0, 64) xor XXH64 of bytes [72, 104)
+//   72 32 bytes block hash
 // Rows: NHD = [tokens][heads][head_dim], HND = [heads][tokens][head_dim], head_dim
 // contiguous, elements in the dtype's little-endian bits. Decoding checks every field
 // against what the caller expects and both checksums, and returns a failed Status (a miss
@@ -163,7 +166,7 @@ inline std::uint64_t xxh64(const void* data, std::size_t n, std::uint64_t seed =
 
 inline constexpr std::uint32_t kBlockMagic = 0x424B564Bu;  // "KVKB" read little-endian
 inline constexpr std::uint16_t kBlockFormatVersion = 1;
-inline constexpr std::size_t kBlockHeaderBytes = 96;
+inline constexpr std::size_t kBlockHeaderBytes = 104;
 
 /// What a payload claims to be; decode_block compares it with what the caller expects.
 struct BlockHeader {
@@ -179,11 +182,12 @@ struct BlockHeader {
   std::uint64_t raw_bytes = 0;
   std::uint64_t stored_bytes = 0;
   std::uint64_t checksum = 0;
+  std::uint64_t stored_checksum = 0;
   BlockHash hash;
 };
 
-/// Writes the 96 header bytes of `h` (header_checksum computed here).
-inline void write_block_header(const BlockHeader& h, std::uint8_t* out) {  // out: [96]
+/// Writes the 104 header bytes of `h` (header_checksum computed here).
+inline void write_block_header(const BlockHeader& h, std::uint8_t* out) {  // out: [104]
   using namespace detail;
   std::memset(out, 0, kBlockHeaderBytes);
   store_u32(out + 0, kBlockMagic);
@@ -200,8 +204,9 @@ inline void write_block_header(const BlockHeader& h, std::uint8_t* out) {  // ou
   store_u64(out + 32, h.raw_bytes);
   store_u64(out + 40, h.stored_bytes);
   store_u64(out + 48, h.checksum);
-  std::memcpy(out + 64, h.hash.bytes.data(), 32);
-  store_u64(out + 56, xxh64(out, 56) ^ xxh64(out + 64, 32));
+  store_u64(out + 56, h.stored_checksum);
+  std::memcpy(out + 72, h.hash.bytes.data(), 32);
+  store_u64(out + 64, xxh64(out, 64) ^ xxh64(out + 72, 32));
 }
 
 /// Parses and self-checks a header (magic, version, header checksum, enum ranges, size
@@ -215,7 +220,7 @@ inline Status read_block_header(const std::uint8_t* in, std::size_t n,  // in: [
   KVKIT_CHECK_STATUS(load_u16(in + 4) == kBlockFormatVersion, StatusCode::kUnsupported,
                      "block format version ", load_u16(in + 4), ", expected ",
                      kBlockFormatVersion);
-  KVKIT_CHECK_STATUS(load_u64(in + 56) == (xxh64(in, 56) ^ xxh64(in + 64, 32)),
+  KVKIT_CHECK_STATUS(load_u64(in + 64) == (xxh64(in, 64) ^ xxh64(in + 72, 32)),
                      StatusCode::kCorrupt, "block header checksum mismatch");
   KVKIT_CHECK_STATUS(in[6] <= 2 && in[7] <= 1 && in[8] <= 1 && in[9] <= 1 &&
                          load_u16(in + 10) == 0,
@@ -233,7 +238,8 @@ inline Status read_block_header(const std::uint8_t* in, std::size_t n,  // in: [
   h.raw_bytes = load_u64(in + 32);
   h.stored_bytes = load_u64(in + 40);
   h.checksum = load_u64(in + 48);
-  std::memcpy(h.hash.bytes.data(), in + 64, 32);
+  h.stored_checksum = load_u64(in + 56);
+  std::memcpy(h.hash.bytes.data(), in + 72, 32);
   const std::uint64_t rows_bytes = std::uint64_t{h.tokens} * h.num_heads * h.head_dim *
                                    static_cast<std::uint64_t>(dtype_size(h.dtype));
   KVKIT_CHECK_STATUS(h.tokens <= h.page_size && h.raw_bytes == rows_bytes, StatusCode::kCorrupt,
@@ -241,7 +247,8 @@ inline Status read_block_header(const std::uint8_t* in, std::size_t n,  // in: [
   KVKIT_CHECK_STATUS(h.stored_bytes == n - kBlockHeaderBytes, StatusCode::kCorrupt,
                      "block payload truncated or padded: ", n - kBlockHeaderBytes,
                      " bytes after the header, header says ", h.stored_bytes);
-  KVKIT_CHECK_STATUS(h.codec == Codec::kZstd || h.stored_bytes == h.raw_bytes,
+  KVKIT_CHECK_STATUS(h.codec == Codec::kZstd ||
+                         (h.stored_bytes == h.raw_bytes && h.stored_checksum == h.checksum),
                      StatusCode::kCorrupt, "raw block stores ", h.stored_bytes, " bytes, expected ",
                      h.raw_bytes);
   *out = h;
@@ -360,7 +367,11 @@ Status encode_block(const PagedKVView<T>& view, KVKind kind, std::int32_t page,
                        ZSTD_getErrorName(z));
     out->resize(kBlockHeaderBytes + z);
     h.codec = Codec::kZstd;
+    h.stored_checksum =
+        xxh64(reinterpret_cast<const std::uint8_t*>(out->data()) + kBlockHeaderBytes, z);
 #endif
+  } else {
+    h.stored_checksum = h.checksum;
   }
   h.stored_bytes = out->size() - kBlockHeaderBytes;
   write_block_header(h, reinterpret_cast<std::uint8_t*>(&(*out)[0]));
@@ -400,6 +411,8 @@ Status decode_block(std::string_view payload, const BlockExpect& expect,
   const std::uint8_t* rows = in + kBlockHeaderBytes;
   if (h.codec == Codec::kZstd) {
 #if defined(KVKIT_HAS_ZSTD) && KVKIT_HAS_ZSTD
+    KVKIT_CHECK_STATUS(xxh64(rows, h.stored_bytes) == h.stored_checksum, StatusCode::kCorrupt,
+                       "compressed block checksum mismatch");
     scratch.raw.resize(h.raw_bytes);
     const std::size_t z = ZSTD_decompress(&scratch.raw[0], h.raw_bytes, rows, h.stored_bytes);
     KVKIT_CHECK_STATUS(!ZSTD_isError(z) && z == h.raw_bytes, StatusCode::kCorrupt,
@@ -410,6 +423,7 @@ Status decode_block(std::string_view payload, const BlockExpect& expect,
     return make_status(StatusCode::kUnsupported, "zstd block, but built without KVKIT_HAS_ZSTD");
 #endif
   }
+  // Raw: stored_checksum == checksum (read_block_header checked), so one hash covers both.
   KVKIT_CHECK_STATUS(xxh64(rows, h.raw_bytes) == h.checksum, StatusCode::kCorrupt,
                      "block checksum mismatch");
   const std::size_t row_bytes = static_cast<std::size_t>(s.dim) * sizeof(T);
