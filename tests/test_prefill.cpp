@@ -118,8 +118,9 @@ TEST_CASE("batched prefill matches token-by-token teacher forcing (small models)
   for (const NamedModel& m : small_models()) {
     for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
       for (std::int32_t page : {7, 16})
-        for (std::int32_t chunk : {5, 512}) {
-          const auto prompt = random_prompt(61, m.ck->config().vocab_size, rng);
+        for (std::int32_t chunk : {5, 100, 512}) {
+          // Long enough for several query blocks and key tiles of the tiled attention.
+          const auto prompt = random_prompt(chunk == 100 ? 301 : 61, m.ck->config().vocab_size, rng);
           EngineOptions o;
           o.page_size = page;
           o.layout = layout;
@@ -134,7 +135,7 @@ TEST_CASE("batched prefill matches token-by-token teacher forcing (small models)
   }
 }
 
-TEST_CASE("Prefiller::run gives the last token's logits (all prompt tokens in one pass)", "[prefill]") {
+TEST_CASE("Prefiller::run gives the last token's logits (tiled or decode-kernel attention)", "[prefill]") {
   std::mt19937_64 rng(test_seed() + 3);
   for (const NamedModel& m : small_models()) {
     const auto prompt = random_prompt(45, m.ck->config().vocab_size, rng);
@@ -151,9 +152,13 @@ TEST_CASE("Prefiller::run gives the last token's logits (all prompt tokens in on
                                     CsrPageTable{nullptr, nullptr, nullptr, 0}));
     std::vector<float> logits(static_cast<std::size_t>(eng.config().vocab_size));
     Prefiller pre(16);
-    REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
-    INFO(m.name);
-    CHECK(rel_err(logits, a.logits) < 1e-4);
+    for (bool tiled : {true, false}) {  // tiled attention, and the paged decode kernel per token
+      INFO(m.name << (tiled ? " tiled" : " decode kernel"));
+      pre.set_tiled_attention(tiled);
+      std::fill(logits.begin(), logits.end(), 0.f);
+      REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
+      CHECK(rel_err(logits, a.logits) < 1e-4);
+    }
     // Too few pages or a position past seq_len are errors naming the values.
     CHECK_THROWS_WITH(pre.run(eng.model(), pools.data(), {pages[0]}, prompt.data(), 45, 0, 0, nullptr),
                       Catch::Contains("cannot hold 45 tokens"));

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "engine/engine.hpp"
@@ -45,6 +46,11 @@ class Prefiller {
   explicit Prefiller(std::int32_t chunk = kDefaultChunk) : chunk_(chunk) {
     KVKIT_CHECK(chunk > 0, "kvkit: prefill chunk must be > 0, got ", chunk);
   }
+
+  /// Attention of the batched pass: tiled (default; a block of query tokens shares each
+  /// K/V tile it reads, flash-attention style) or kvkit's paged decode kernel with one
+  /// view row per query token (reads the K/V once per query token: O(T^2) traffic).
+  void set_tiled_attention(bool on) { tiled_ = on; }
 
   /// Runs tokens[0, n) of one sequence through `model`: token i at RoPE position
   /// pos_start + i, its K/V written at cache index cache_start + i of `pages` (the
@@ -201,10 +207,14 @@ class Prefiller {
       }
       KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), slots_.data(), n,
                                      static_cast<std::int64_t>(kv)));
-      const std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
-      if (ws_.size() < need) ws_.resize(need);
-      KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q_.data(), att_.data(), ap,
-                                                   Workspace{ws_.data(), ws_.size()}));
+      if (tiled_) {
+        tiled_attention(ex, view, n, cache_start, ap.sm_scale, c.n_heads);
+      } else {
+        const std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
+        if (ws_.size() < need) ws_.resize(need);
+        KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q_.data(), att_.data(), ap,
+                                                     Workspace{ws_.data(), ws_.size()}));
+      }
       gemm(ex, W(ck.wo(l), dim, dim), att, xb);
       x += xb;
       rmsnorm(x, ck.rms_ffn(l), c.norm_eps, xb);
@@ -223,6 +233,86 @@ class Prefiller {
     return Status::ok();
   }
 
+  // Per-worker scratch of the tiled attention.
+  struct TileScratch {
+    Eigen::MatrixXf q, k, v, s, o;  // [rows, D], [KT, D], [KT, D], [rows, KT], [rows, D]
+    Eigen::VectorXf m, l;           // [rows] running max and sum
+  };
+
+  static constexpr std::int32_t kQueryBlock = 32;  // query tokens sharing each K/V tile
+  static constexpr std::int32_t kKeyTile = 128;    // keys per tile
+
+  // Causal attention of the chunk's n query tokens (q_ -> att_) over the cache indices
+  // [0, cache_start + i] of each query token i, reading K/V through `view` (row i of its
+  // page table lists the pages of query token i, row n-1 all of them). Work items are
+  // (kv head, block of kQueryBlock query tokens); each gathers K/V tiles of kKeyTile
+  // tokens once for the G * block query rows of its head group, with an online softmax.
+  void tiled_attention(exec::Host ex, const PagedKVView<float>& view, std::int32_t n,
+                       std::int32_t cache_start, float sm_scale, int n_heads) {
+    const int hkv = view.num_kv_heads, D = view.head_dim, G = n_heads / hkv;
+    const std::int32_t blocks = (n + kQueryBlock - 1) / kQueryBlock;
+    const int workers = kvkit::detail::host_workers(ex, static_cast<std::int64_t>(hkv) * blocks);
+    if (static_cast<int>(tiles_.size()) < workers) tiles_.resize(static_cast<std::size_t>(workers));
+    const std::size_t tok_stride = static_cast<std::size_t>(n_heads) * D;  // q_/att_ row of a token
+    kvkit::detail::parallel_for(ex, static_cast<std::int64_t>(hkv) * blocks, [&](std::int64_t b0, std::int64_t b1, int w) {
+      TileScratch& t = tiles_[static_cast<std::size_t>(w)];
+      for (std::int64_t item = b0; item < b1; ++item) {
+        const int h = static_cast<int>(item % hkv);
+        const std::int32_t i0 = static_cast<std::int32_t>(item / hkv) * kQueryBlock;
+        const std::int32_t i1 = std::min(n, i0 + kQueryBlock);
+        const int rows = (i1 - i0) * G;
+        t.q.resize(rows, D);
+        for (std::int32_t i = i0; i < i1; ++i)
+          for (int g = 0; g < G; ++g)
+            t.q.row((i - i0) * G + g) = Eigen::Map<const Eigen::RowVectorXf>(
+                q_.data() + static_cast<std::size_t>(i) * tok_stride + static_cast<std::size_t>(h * G + g) * D, D) * sm_scale;
+        t.m.setConstant(rows, -std::numeric_limits<float>::infinity());
+        t.l.setZero(rows);
+        t.o.setZero(rows, D);
+        const std::int32_t keys = cache_start + i1;  // the last query token sees these
+        for (std::int32_t k0 = 0; k0 < keys; k0 += kKeyTile) {
+          const std::int32_t cnt = std::min(kKeyTile, keys - k0);
+          t.k.resize(cnt, D);
+          t.v.resize(cnt, D);
+          for (std::int32_t j = 0; j < cnt; ++j) {
+            // Row n-1 of the view lists every page of the sequence.
+            t.k.row(j) = Eigen::Map<const Eigen::RowVectorXf>(view.k_ptr(n - 1, k0 + j, h), D);
+            t.v.row(j) = Eigen::Map<const Eigen::RowVectorXf>(view.v_ptr(n - 1, k0 + j, h), D);
+          }
+          t.s.noalias() = t.q * t.k.transpose();
+          // Causal mask: query token i sees keys up to cache index cache_start + i.
+          if (k0 + cnt > cache_start + i0 + 1)
+            for (int r = 0; r < rows; ++r) {
+              const std::int32_t last = cache_start + i0 + r / G;  // its last visible key
+              for (std::int32_t j = std::max(0, last + 1 - k0); j < cnt; ++j)
+                t.s(r, j) = -std::numeric_limits<float>::infinity();
+            }
+          for (int r = 0; r < rows; ++r) {
+            const float mx = std::max(t.m(r), t.s.row(r).maxCoeff());
+            if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
+              t.s.row(r).setZero();
+              continue;
+            }
+            const float scale = std::exp(t.m(r) - mx);  // 0 on the first tile (m = -inf)
+            t.s.row(r) = (t.s.row(r).array() - mx).exp().matrix();
+            t.l(r) = t.l(r) * scale + t.s.row(r).sum();
+            t.o.row(r) *= scale;
+            t.m(r) = mx;
+          }
+          t.o.noalias() += t.s * t.v;
+        }
+        for (std::int32_t i = i0; i < i1; ++i)
+          for (int g = 0; g < G; ++g) {
+            const int r = (i - i0) * G + g;
+            Eigen::Map<Eigen::RowVectorXf>(att_.data() + static_cast<std::size_t>(i) * tok_stride +
+                                               static_cast<std::size_t>(h * G + g) * D, D) = t.o.row(r) / t.l(r);
+          }
+      }
+    });
+  }
+
+  bool tiled_ = true;
+  std::vector<TileScratch> tiles_;
   std::int32_t chunk_;
   double rope_theta_ = 0;
   int rope_half_ = 0;
