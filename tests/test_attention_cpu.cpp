@@ -30,59 +30,29 @@ struct Spec {
   std::vector<std::int32_t> lens;
 };
 
-/// Random K/V pool; each sequence's pages come from a shuffled pool (plus spare pages).
-/// Not copyable or movable: the view points into its vectors.
+/// Random K/V pool (reference.hpp's RandomPool: shuffled pages, two spare pages) with
+/// this file's Spec; its view's page table is validated.
 template <class T>
-struct Pool {
-  Pool(const Spec& sp, std::mt19937_64& rng) : spec(sp) {
-    const std::int32_t batch = static_cast<std::int32_t>(sp.lens.size());
-    std::int32_t used = 0, max_pages = 0;
-    for (std::int32_t len : sp.lens) {
-      const std::int32_t np = (len + sp.page_size - 1) / sp.page_size;
-      used += np;
-      max_pages = std::max(max_pages, np);
-    }
-    geometry = KVGeometry{sp.hkv, sp.kdim, sp.page_size, used + 2, sp.vdim};
-    ks = packed_strides(geometry, sp.k_layout);
-    vs = packed_v_strides(geometry, sp.v_layout);
-    k = random_vector<T>(static_cast<std::size_t>(ks.page) * geometry.num_pages, rng);
-    v = random_vector<T>(static_cast<std::size_t>(vs.page) * geometry.num_pages, rng);
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(geometry.num_pages));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    row_stride = max_pages + 1;
-    block_table.assign(static_cast<std::size_t>(batch) * row_stride, -1);
-    indptr.assign(1, 0);
-    std::size_t next = 0;
-    for (std::int32_t b = 0; b < batch; ++b) {
-      const std::int32_t len = sp.lens[static_cast<std::size_t>(b)];
-      const std::int32_t np = (len + sp.page_size - 1) / sp.page_size;
-      for (std::int32_t i = 0; i < np; ++i) {
-        indices.push_back(perm[next]);
-        block_table[static_cast<std::size_t>(b) * row_stride + i] = perm[next++];
-      }
-      indptr.push_back(static_cast<std::int32_t>(indices.size()));
-      last_page_len.push_back(np == 0 ? 0 : len - (np - 1) * sp.page_size);
-    }
-    if (sp.table == PageTableKind::kCsr)
-      view = make_csr_view(geometry, k.data(), ks, v.data(), vs,
-                           CsrPageTable{indptr.data(), indices.data(), last_page_len.data(), batch});
-    else
-      view = make_block_table_view(geometry, k.data(), ks, v.data(), vs,
-                                   BlockTable{block_table.data(), row_stride, sp.lens.data(), batch});
-    view.validate_page_table();
+struct Pool : RandomPool<T> {
+  Pool(const Spec& sp, std::mt19937_64& rng) : RandomPool<T>(pool_spec(sp), rng), spec(sp) {
+    this->view.validate_page_table();
   }
-  Pool(const Pool&) = delete;
-  Pool& operator=(const Pool&) = delete;
   std::int32_t batch() const { return static_cast<std::int32_t>(spec.lens.size()); }
+  static PoolSpec pool_spec(const Spec& sp) {
+    PoolSpec ps;
+    ps.num_kv_heads = sp.hkv;
+    ps.head_dim = sp.kdim;
+    ps.v_head_dim = sp.vdim;
+    ps.page_size = sp.page_size;
+    ps.layout = sp.k_layout;
+    ps.v_layout = static_cast<int>(sp.v_layout);
+    ps.table = sp.table;
+    ps.seq_lens = sp.lens;
+    ps.spare_pages = 2;
+    return ps;
+  }
 
   Spec spec;
-  KVGeometry geometry;
-  KVStrides ks, vs;
-  std::vector<T> k, v;
-  std::vector<std::int32_t> indptr, indices, last_page_len, block_table;
-  std::int32_t row_stride = 0;
-  PagedKVView<T> view;
 };
 
 /// float64 decode attention with every variant of DecodeAttentionParams: out
