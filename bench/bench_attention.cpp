@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "kvkit/kernels/cpu.hpp"
 
 namespace {
@@ -54,21 +55,9 @@ bool g_hugepages = false;  // --kvkit_hugepages: madvise(MADV_HUGEPAGE) the pool
 
 bool g_wall = false;  // --kvkit_wall: wall clock for 1-thread runs too
 
-double wall_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-double thread_cpu_now() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-template <class T>
-const char* dtype_name() {
-  if (std::is_same<T, float>::value) return "f32";
-  if (std::is_same<T, half_t>::value) return "f16";
-  return "bf16";
-}
+using kvkit::bench::dtype_name;
+using kvkit::bench::thread_cpu_now;
+using kvkit::bench::wall_now;
 
 int simd_code() {
   const std::string isa = kvkit::detail::cpu::simd_isa();
@@ -314,29 +303,12 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--kvkit_small") == 0) {
-      g_small = true;
-      continue;
-    }
-    if (std::strcmp(argv[i], "--kvkit_hugepages") == 0) {
-      g_hugepages = true;
-      continue;
-    }
-    if (std::strcmp(argv[i], "--kvkit_wall") == 0) {
-      g_wall = true;
-      continue;
-    }
-    argv[out++] = argv[i];
-  }
-  argc = out;
-  register_all<float>();
-  register_all<half_t>();
-  register_all<bfloat16_t>();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const std::size_t ran = benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return (g_failed || ran == 0) ? 1 : 0;
+  return kvkit::bench::run_main(
+      argc, argv,
+      {{"--kvkit_small", &g_small}, {"--kvkit_hugepages", &g_hugepages}, {"--kvkit_wall", &g_wall}},
+      g_failed, [] {
+        register_all<float>();
+        register_all<half_t>();
+        register_all<bfloat16_t>();
+      });
 }

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "kvkit/core/thread_pool.hpp"
+#include "bench_common.hpp"
 #include "kvkit/kernels/cpu.hpp"
 
 namespace {
@@ -41,10 +42,7 @@ namespace {
 bool g_small = false;
 bool g_failed = false;
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+double now() { return kvkit::bench::wall_now(); }
 
 /// The runners compared, in one process: built once per thread count.
 struct Runners {
@@ -232,19 +230,5 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--kvkit_small") == 0) {
-      g_small = true;
-      continue;
-    }
-    argv[out++] = argv[i];
-  }
-  argc = out;
-  register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const std::size_t ran = benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return (g_failed || ran == 0) ? 1 : 0;
+  return kvkit::bench::run_main(argc, argv, {{"--kvkit_small", &g_small}}, g_failed, register_all);
 }

@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "kvkit/kernels/cpu.hpp"
 
 namespace {
@@ -78,13 +79,7 @@ std::int32_t move_seq_len() { return g_small ? 256 : 4096; }
 // processes share the cores is not charged to whichever phase was running (all timed
 // code is single-threaded, exec::Host{1}). --kvkit_wall switches to steady_clock.
 bool g_wall = false;
-double now_seconds() {
-  if (g_wall)
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
+double now_seconds() { return g_wall ? kvkit::bench::wall_now() : kvkit::bench::thread_cpu_now(); }
 double seconds_since(double t0) { return now_seconds() - t0; }
 
 // ---------------------------------------------------------------------------------------
@@ -173,10 +168,7 @@ std::vector<std::int32_t> random_subset_sorted(std::int32_t n, std::int32_t k) {
   return all;
 }
 
-template <class T>
-const char* dtype_name() {
-  return sizeof(T) == 4 ? "f32" : "f16";
-}
+using kvkit::bench::dtype_name;
 
 /// One cached fixture at a time: Google Benchmark calls a benchmark function several
 /// times (iteration estimate, repetitions), and building hundreds of MiB of random data
@@ -810,31 +802,15 @@ void register_moves() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Strip our own flag before Google Benchmark parses the rest.
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--kvkit_small") == 0) {
-      g_small = true;
-      continue;
-    }
-    if (std::strcmp(argv[i], "--kvkit_wall") == 0) {
-      g_wall = true;
-      continue;
-    }
-    if (std::strcmp(argv[i], "--kvkit_hugepages") == 0) {
-      g_hugepages = true;
-      continue;
-    }
-    argv[out++] = argv[i];
-  }
-  argc = out;
-  register_decode<float>();
-  register_decode<half_t>();
-  register_moves<float>();
-  register_moves<half_t>();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const std::size_t ran = benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return (g_failed || ran == 0) ? 1 : 0;  // the smoke test fails on a bad check or filter
+  // Our own flags are stripped before Google Benchmark parses the rest; exit code 1 on a
+  // failed check or a filter that matches nothing (the smoke test).
+  return kvkit::bench::run_main(
+      argc, argv,
+      {{"--kvkit_small", &g_small}, {"--kvkit_wall", &g_wall}, {"--kvkit_hugepages", &g_hugepages}},
+      g_failed, [] {
+        register_decode<float>();
+        register_decode<half_t>();
+        register_moves<float>();
+        register_moves<half_t>();
+      });
 }
