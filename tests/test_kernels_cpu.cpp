@@ -103,52 +103,8 @@ TEMPLATE_TEST_CASE("write_kv scatters rows by slot mapping and skips padding", "
         }
 }
 
-TEMPLATE_TEST_CASE("paged_decode_attention matches the float64 reference", "[cpu][attention]",
-                   float, half_t, bfloat16_t) {
-  using T = TestType;
-  KVKIT_TEST_RNG(rng);
-  const std::int32_t hkv = 2;
-  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
-    for (PageTableKind table : {PageTableKind::kCsr, PageTableKind::kBlockTable})
-      for (std::int32_t group : {1, 2, 4})
-        for (std::int32_t ps : {1, 16})
-          for (std::int32_t dim : {8, 64, 128}) {
-            CAPTURE(to_string(layout), table_name(table), group, ps, dim);
-            RandomPool<T> pool(make_spec(layout, table, hkv, dim, ps, ragged_lens(ps, rng)), rng);
-            const std::int32_t hq = hkv * group, batch = pool.batch_size();
-            const std::size_t n_out = static_cast<std::size_t>(batch) * hq * dim;
-            std::vector<T> q = random_vector<T>(n_out, rng, -3.f, 3.f);
-            const DecodeAttentionParams p{hq, 1.f / std::sqrt(static_cast<float>(dim))};
-            std::vector<unsigned char> ws =
-                workspace_bytes(paged_decode_attention_workspace_size(exec::Host{1}, pool.view, p));
-            std::vector<T> out = random_vector<T>(n_out, rng);  // garbage to be overwritten
-            std::vector<float> lse(static_cast<std::size_t>(batch) * hq, 123.f);
-            REQUIRE(paged_decode_attention(exec::Host{1}, pool.view, q.data(), out.data(), p,
-                                           Workspace{ws.data(), ws.size()}, lse.data())
-                        .is_ok());
-            std::vector<double> want, want_lse;
-            ref_decode_attention(pool.view, q.data(), hq, p.sm_scale, want, want_lse);
-            REQUIRE(compare_close(out.data(), want, value_tolerance<T>(), "out") == "");
-            REQUIRE(compare_close(lse.data(), want_lse, Tolerance{1e-4, 1e-5}, "lse") == "");
-            // empty sequence 0: zeros and -inf
-            REQUIRE(to_float(out[0]) == 0.f);
-            REQUIRE(std::isinf(lse[0]));
-            REQUIRE(lse[0] < 0);
-
-            std::vector<T> out3 = random_vector<T>(n_out, rng);
-            std::vector<float> lse3(lse.size(), -5.f);
-            REQUIRE(paged_decode_attention(exec::Host{3}, pool.view, q.data(), out3.data(), p,
-                                           Workspace{ws.data(), ws.size()}, lse3.data())
-                        .is_ok());
-            REQUIRE(bitwise_equal(out, out3));
-            REQUIRE(bitwise_equal(lse, lse3));
-            // without lse: same output
-            REQUIRE(paged_decode_attention(exec::Host{2}, pool.view, q.data(), out3.data(), p,
-                                           Workspace{ws.data(), ws.size()})
-                        .is_ok());
-            REQUIRE(bitwise_equal(out, out3));
-          }
-}
+// paged_decode_attention: test_attention_cpu.cpp (every dtype, layout, table, GQA group,
+// page size and width, ragged lengths, thread counts, with and without lse).
 
 TEMPLATE_TEST_CASE("gather_tokens copies selected tokens head-major", "[cpu][gather]", float,
                    half_t, bfloat16_t) {
