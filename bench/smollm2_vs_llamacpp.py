@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""SmolLM2-135M-Instruct decode and prefill speed: kvkit's example engine against llama.cpp.
+
+Both run on the same GGUF file, the same prompt text (long documents of the prompt suite,
+cut to about 1K and 4K tokens), the same thread counts and the same machine, in one run of
+this script. kvkit runs through its CLI (`kvkit generate --model M.gguf --prompt-file F
+--max-tokens N --json`), which reports decode and prefill tokens/s; llama.cpp runs through
+llama-cpp-python (the project venv: scripts/setup-venv.sh), timed here: prefill = one
+evaluation of the prompt (until the first token), decode = N further greedy tokens.
+
+Usage: ../kvkit-venv/bin/python bench/smollm2_vs_llamacpp.py --cli build/examples/kvkit \
+           [--model PATH] [--threads 1 2] [--contexts 1024 4096] [--decode 64]
+Prints a Markdown table (the format of bench/RESULTS.md) and, with --json, the raw rows.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default_model():
+    return os.path.join(ROOT, "..", "shared", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def suite_text(min_tokens, tokenize):
+    """The shortest long-document prompt of the suite with at least min_tokens tokens,
+    cut (at a token boundary, re-encoded as text) to about min_tokens tokens."""
+    with open(os.path.join(ROOT, "examples", "prompts", "suite.json")) as f:
+        prompts = json.load(f)["prompts"]
+    docs = sorted((p for p in prompts if p["kind"] == "long_doc"), key=lambda p: p["tokens"])
+    for p in docs:
+        text = p["turns"][0]
+        if len(tokenize(text)) >= min_tokens:
+            return text
+    return docs[-1]["turns"][0]
+
+
+def cut_text(text, n_tokens, tokenize, detokenize):
+    ids = tokenize(text)[:n_tokens]
+    return detokenize(ids)
+
+
+def run_kvkit(cli, model, text, threads, decode):
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+        path = f.name
+    try:
+        out = subprocess.run(
+            [cli, "generate", "--model", model, "--prompt-file", path, "--max-tokens", str(decode),
+             "--threads", str(threads), "--json"],
+            check=True, capture_output=True, text=True)
+    finally:
+        os.unlink(path)
+    j = json.loads(out.stdout)
+    return {"prompt_tokens": len(j["prompt_tokens"]) if isinstance(j["prompt_tokens"], list) else j["prompt_tokens"],
+            "decode_tps": j["tokens_per_s"], "prefill_tps": j["prefill_tokens_per_s"]}
+
+
+def run_llamacpp(llama_cls, model, ids, threads, decode):
+    """Greedy generate(): the first token arrives after the prompt's evaluation (prefill),
+    the rest one evaluation each (decode)."""
+    llm = llama_cls(model_path=model, n_ctx=len(ids) + decode + 16, n_threads=threads,
+                    n_threads_batch=threads, n_batch=512, verbose=False)
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    for _ in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                          reset=True):
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+        if n == decode + 1:
+            break
+    t_end = time.perf_counter()
+    return {"prompt_tokens": len(ids), "prefill_tps": len(ids) / (t_first - t0),
+            "decode_tps": (n - 1) / (t_end - t_first)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cli", required=True, help="path of the kvkit CLI binary")
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        sys.exit("llama_cpp not importable: run with the project venv (scripts/setup-venv.sh)")
+    if not os.path.isfile(a.model):
+        sys.exit(f"no model file {a.model} (scripts/fetch-model.sh)")
+
+    vocab = Llama(model_path=a.model, vocab_only=True, verbose=False)
+    tok = lambda s: vocab.tokenize(s.encode(), add_bos=False, special=True)
+    detok = lambda ids: vocab.detokenize(ids).decode("utf-8", errors="ignore")
+    rows = []
+    for ctx in a.contexts:
+        text = cut_text(suite_text(ctx, tok), ctx, tok, detok)
+        ids = tok(text)
+        for t in a.threads:
+            k = run_kvkit(a.cli, a.model, text, t, a.decode)
+            l = run_llamacpp(Llama, a.model, ids, t, a.decode)
+            rows.append({"context": len(ids), "threads": t, "kvkit": k, "llama_cpp": l})
+            print(f"ctx {len(ids)} T{t}: kvkit decode {k['decode_tps']:.1f} prefill "
+                  f"{k['prefill_tps']:.1f} | llama.cpp decode {l['decode_tps']:.1f} prefill "
+                  f"{l['prefill_tps']:.1f}", file=sys.stderr)
+    print("| prompt tokens | threads | kvkit decode tok/s | llama.cpp decode tok/s | ratio | "
+          "kvkit prefill tok/s | llama.cpp prefill tok/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        k, l = r["kvkit"], r["llama_cpp"]
+        print(f"| {r['context']} | {r['threads']} | {k['decode_tps']:.1f} | {l['decode_tps']:.1f} | "
+              f"{k['decode_tps'] / l['decode_tps']:.2f} | {k['prefill_tps']:.1f} | "
+              f"{l['prefill_tps']:.1f} | {k['prefill_tps'] / l['prefill_tps']:.2f} |")
+    if a.json:
+        print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
