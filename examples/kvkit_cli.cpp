@@ -41,7 +41,6 @@
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/npy.hpp"
-#include "engine/prefill.hpp"
 #include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
 
@@ -637,7 +636,6 @@ int cmd_trace(const Options& o) {
 
 using kvkit::engine::ChatMessage;
 using kvkit::engine::ChatTemplate;
-using kvkit::engine::Prefiller;
 using kvkit::engine::SeqId;
 using kvkit::engine::Tokenizer;
 
@@ -679,10 +677,10 @@ struct TurnStats {
 };
 
 // Processes the pending prompt of sequence `id` (batched, or one step per token) and
-// generates up to max_tokens tokens, calling on_token for each kept one. `id` is updated
-// (batched prefill re-adds the sequence under a new id). Leaves the stop token pending.
+// generates up to max_tokens tokens, calling on_token for each kept one. Leaves the stop
+// token pending.
 template <class OnToken>
-TurnStats run_turn(Engine& eng, SeqId& id, Prefiller& pre, bool batched, std::int32_t max_tokens,
+TurnStats run_turn(Engine& eng, SeqId id, bool batched, std::int32_t max_tokens,
                    bool stop_at_eos, const Tokenizer& tok, OnToken on_token) {
   TurnStats t;
   t.reused = eng.kv_len(id);
@@ -690,7 +688,7 @@ TurnStats run_turn(Engine& eng, SeqId& id, Prefiller& pre, bool batched, std::in
   t.prompt = static_cast<std::int32_t>(prompt_end) - eng.position(id);
   const std::int32_t seq_len = eng.config().seq_len;
   auto t0 = std::chrono::steady_clock::now();
-  if (batched) id = kvkit::engine::prefill_sequence(eng, id, pre).id;
+  if (batched) eng.prefill(id);
   while (eng.tokens(id).size() == prompt_end) {  // the rest of the prompt, then its first token
     if (eng.position(id) >= seq_len) {
       t.stop = "seq_len";
@@ -795,9 +793,8 @@ int cmd_generate_gguf(const Options& o) {
       std::min<std::int64_t>(c.seq_len, static_cast<std::int64_t>(prompt.size()) + o.max_tokens - 1));
   const EngineOptions eo = text_engine_options(o, c, positions);
   const auto eng = make_engine(tm.model, eo, {prompt});
-  SeqId id = eng->sequences().at(0);
-  Prefiller pre;
-  const TurnStats t = run_turn(*eng, id, pre, o.prefill == "batch", o.max_tokens, o.stop_at_eos, *tm.tok,
+  const SeqId id = eng->sequences().at(0);
+  const TurnStats t = run_turn(*eng, id, o.prefill == "batch", o.max_tokens, o.stop_at_eos, *tm.tok,
                                TokenPrinter{*tm.tok, !o.json});
   const std::string answer = tm.tok->decode(t.generated, /*render_special=*/false);
   const EngineOptions& eff = eng->options();
@@ -848,7 +845,6 @@ int cmd_chat(const Options& o) {
   const EngineOptions eo = text_engine_options(o, c, c.seq_len);
   std::unique_ptr<Engine> eng;
   SeqId id = -1;
-  Prefiller pre;
   const bool tty = isatty(STDIN_FILENO) != 0;
   Json turns = Json::array();
   std::string line;
@@ -878,9 +874,9 @@ int cmd_chat(const Options& o) {
         std::cerr << "kvkit: the conversation would exceed the model's seq_len " << c.seq_len << "; ending\n";
         break;
       }
-      id = kvkit::engine::extend_sequence(*eng, id, new_tokens);
+      eng->append_tokens(id, new_tokens);
     }
-    const TurnStats t = run_turn(*eng, id, pre, o.prefill == "batch", o.max_tokens, true, *tm.tok,
+    const TurnStats t = run_turn(*eng, id, o.prefill == "batch", o.max_tokens, true, *tm.tok,
                                  TokenPrinter{*tm.tok, !o.json});
     const std::string answer = tm.tok->decode(t.generated, false);
     if (o.json) {

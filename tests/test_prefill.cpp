@@ -1,9 +1,10 @@
-// Batched prefill (examples/engine/prefill.hpp) against token-by-token teacher forcing in
-// the engine: after the prompt, the logits of the next step and every cached K/V row agree
-// to 1e-4 relative (max abs difference / max abs reference value), on the synthetic model,
-// stories260K and SmolLM2-135M-Instruct (the real ones when KVKIT_MODEL_DIR holds them),
-// with chunked passes, both page layouts, a prefill that continues a cached prefix
-// (extend_sequence, a chat's next turn) and a shared partly filled page (copy-on-write).
+// Batched prefill (examples/engine/prefill.hpp, Engine::prefill) against token-by-token
+// teacher forcing in the engine: after the prompt, the logits of the next step and every
+// cached K/V row agree to 1e-4 relative (max abs difference / max abs reference value), on
+// the synthetic model, stories260K and SmolLM2-135M-Instruct (the real ones when
+// KVKIT_MODEL_DIR holds them), with chunked passes, both page layouts, a prefill that
+// continues a cached prefix (append_tokens, a chat's next turn), a shared partly filled
+// page (copy-on-write) and the reclaim callback.
 
 #include <catch2/catch.hpp>
 
@@ -94,16 +95,20 @@ Run stepwise(std::shared_ptr<const Checkpoint> ck, EngineOptions o, const std::v
   return {eng.last_logits(id), cached_kv(eng, id), eng.tokens(id).back()};
 }
 
-// Batched: prefill_sequence over all but the last prompt token, then one step.
+// Batched: Engine::prefill over all but the last prompt token (`chunk` tokens per call),
+// then one step.
 Run batched(std::shared_ptr<const Checkpoint> ck, EngineOptions o, const std::vector<std::int32_t>& prompt,
             std::int32_t chunk) {
   Engine eng(std::move(ck), o);
-  Prefiller pre(chunk);
-  SeqId id = eng.add_sequence(prompt);
-  const PrefillResult r = prefill_sequence(eng, id, pre);
-  CHECK(r.prefilled == static_cast<std::int32_t>(prompt.size()) - 1);
-  CHECK(r.reused == 0);
-  id = r.id;
+  const SeqId id = eng.add_sequence(prompt);
+  std::int32_t total = 0;
+  for (std::int32_t n; (n = eng.prefill(id, chunk)) > 0;) {
+    CHECK(n <= chunk);
+    total += n;
+  }
+  CHECK(total == static_cast<std::int32_t>(prompt.size()) - 1);
+  CHECK(eng.sequences() == std::vector<SeqId>{id});
+  CHECK_THROWS_WITH(eng.last_logits(id), Catch::Contains("has not run a step"));
   CHECK(eng.position(id) == static_cast<std::int32_t>(prompt.size()) - 1);
   CHECK(eng.kv_len(id) == eng.position(id));
   eng.step();
@@ -167,7 +172,7 @@ TEST_CASE("Prefiller::run gives the last token's logits (tiled or decode-kernel 
   }
 }
 
-TEST_CASE("prefill continues a cached prefix (extend_sequence) and copies a shared page", "[prefill]") {
+TEST_CASE("prefill continues a cached prefix (append_tokens) and copies a shared page", "[prefill]") {
   std::mt19937_64 rng(test_seed() + 1);
   const auto ck = small_models().back().ck;
   const std::int32_t vocab = ck->config().vocab_size;
@@ -182,22 +187,26 @@ TEST_CASE("prefill continues a cached prefix (extend_sequence) and copies a shar
   std::vector<std::int32_t> all = ref.tokens(rid);  // first + its greedy token (pending)
   {
     Engine eng(ck, o);
-    Prefiller pre(4);
-    SeqId id = eng.add_sequence(first);
-    id = prefill_sequence(eng, id, pre).id;
+    std::vector<PageEvent> events;
+    eng.add_page_listener([&](const PageEvent& e) { events.push_back(e); });
+    const SeqId id = eng.add_sequence(first);
+    CHECK(eng.prefill(id) == static_cast<std::int32_t>(first.size()) - 1);
+    CHECK(eng.prefill(id) == 0);  // nothing left but the last prompt token
+    for (const PageEvent& e : events) CHECK(e.seq == id);
     eng.step();
     REQUIRE(eng.tokens(id) == all);
     // A second owner of every page (as a stored conversation would be): prefill must copy
     // the partly filled last page before writing into it, and share the full ones.
     const std::vector<std::int32_t> pages = eng.pages(id);
     for (std::int32_t p : pages) eng.allocator().retain(p);
-    id = extend_sequence(eng, id, second);
+    eng.append_tokens(id, second);
     CHECK(eng.kv_len(id) == static_cast<std::int32_t>(first.size()));
-    const PrefillResult r = prefill_sequence(eng, id, pre);
-    CHECK(r.reused == static_cast<std::int32_t>(first.size()));
-    CHECK(r.prefilled == static_cast<std::int32_t>(second.size()));  // the pending token + second but its last
-    CHECK(eng.pages(r.id).back() != pages.back());  // the shared partial page was copied
-    for (std::size_t i = 0; i + 1 < pages.size(); ++i) CHECK(eng.pages(r.id)[i] == pages[i]);
+    // The pending token + `second` but its last.
+    CHECK(eng.prefill(id) == static_cast<std::int32_t>(second.size()));
+    const std::vector<std::int32_t> now = eng.pages(id);
+    CHECK(now[pages.size() - 1] != pages.back());  // the shared partial page was copied
+    CHECK(eng.allocator().refcount(pages.back()) == 1);  // only our extra reference is left
+    for (std::size_t i = 0; i + 1 < pages.size(); ++i) CHECK(now[i] == pages[i]);
     eng.step();
     // Reference continues with `second` teacher-forced after the pending token.
     std::vector<std::int32_t> more = all;
@@ -205,25 +214,42 @@ TEST_CASE("prefill continues a cached prefix (extend_sequence) and copies a shar
     Engine ref2(ck, o);
     const SeqId r2 = ref2.add_sequence(more);
     for (std::size_t i = 0; i < more.size(); ++i) ref2.step();
-    CHECK(rel_err(eng.last_logits(r.id), ref2.last_logits(r2)) < 1e-4);
-    CHECK(rel_err(cached_kv(eng, r.id), cached_kv(ref2, r2)) < 1e-4);
+    CHECK(rel_err(eng.last_logits(id), ref2.last_logits(r2)) < 1e-4);
+    CHECK(rel_err(cached_kv(eng, id), cached_kv(ref2, r2)) < 1e-4);
+    CHECK_THROWS_WITH(eng.append_tokens(id, {vocab}), Catch::Contains("outside the vocabulary"));
+    CHECK_THROWS_WITH(eng.append_tokens(id, std::vector<std::int32_t>(static_cast<std::size_t>(ck->config().seq_len), 1)),
+                      Catch::Contains("exceed the model's seq_len"));
     for (std::int32_t p : pages) eng.allocator().release(p);
   }
 }
 
-TEST_CASE("prefill refuses what does not fit, changing nothing", "[prefill]") {
+TEST_CASE("prefill refuses what does not fit, changing nothing; asks the reclaim callback", "[prefill]") {
   const auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
   EngineOptions o;
   o.page_size = 4;
-  o.num_pages = 3;
+  o.num_pages = 5;
+  o.max_batch = 2;
   Engine eng(ck, o);
-  std::vector<std::int32_t> prompt(20, 5);
-  const SeqId id = eng.add_sequence(prompt);
-  Prefiller pre;
-  CHECK_THROWS_WITH(prefill_sequence(eng, id, pre), Catch::Contains("out of KV pages"));
-  CHECK(eng.has_sequence(id));
-  CHECK(eng.pages_in_use() == 0);
+  const SeqId other = eng.add_sequence({1, 2, 3, 4, 5, 6});
+  eng.step();  // `other` holds a page
+  const SeqId id = eng.add_sequence(std::vector<std::int32_t>(20, 5));  // 19 to prefill: 5 pages
+  CHECK_THROWS_WITH(eng.prefill(id), Catch::Contains("out of KV pages"));
+  CHECK(eng.position(id) == 0);
+  CHECK(eng.kv_len(id) == 0);
+  CHECK(eng.pages(id).empty());
+  CHECK(eng.pages_in_use() == 1);
+  CHECK_THROWS_WITH(eng.prefill(id, 0), Catch::Contains("max_tokens must be > 0"));
   CHECK_THROWS_WITH(Prefiller(0), Catch::Contains("chunk must be > 0"));
+  std::int32_t asked = 0;
+  eng.set_reclaim([&](std::int32_t need) {
+    asked = need;
+    eng.free_sequence(other);
+    return 1;
+  });
+  CHECK(eng.prefill(id) == 19);
+  CHECK(asked == 1);
+  CHECK(eng.position(id) == 19);
+  CHECK(eng.pages_in_use() == 5);
 }
 
 TEST_CASE("batched prefill matches teacher forcing on SmolLM2-135M-Instruct", "[prefill][smollm2]") {

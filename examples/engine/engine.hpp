@@ -75,6 +75,7 @@
 #include "engine/block_allocator.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/model.hpp"
+#include "engine/prefill.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
 #include "kvkit/kernels/cpu.hpp"
@@ -516,6 +517,90 @@ class Engine {
     return run_step(&forced_next);
   }
 
+  /// Consumes the pending prompt of `id` except its last token in batched passes (one per
+  /// layer per chunk of tokens, see prefill.hpp) instead of one step per token; the next
+  /// step processes the last prompt token and gives its logits (equal to teacher forcing
+  /// up to float rounding). Pages are taken as a step takes them (reclaim callback when
+  /// short, copy-on-write of a shared partly filled page, page events); step hooks and the
+  /// attention hook do not see the prefilled tokens. The sequence keeps its id; its logits
+  /// are cleared until the next step. At most `max_tokens` tokens are taken per call (a
+  /// caller may interleave chunks of a long prompt with other sequences' steps). Returns
+  /// the number of tokens prefilled (0 when at most one prompt token is pending). Throws
+  /// kvkit::Error ("out of KV pages", a failed kernel) leaving every sequence unchanged.
+  std::int32_t prefill(SeqId id, std::int32_t max_tokens = std::numeric_limits<std::int32_t>::max()) {
+    KVKIT_CHECK(!in_step_, "kvkit: prefill() called from inside a step (hook or callback)");
+    KVKIT_CHECK(max_tokens > 0, "kvkit: prefill max_tokens must be > 0, got ", max_tokens);
+    const std::int32_t n = std::min(
+        max_tokens, static_cast<std::int32_t>(seq(id).tokens.size()) - 1 - seq(id).processed);
+    if (n <= 0) return 0;
+    auto cow = [&](const Sequence& s) {
+      return s.kv_len % opt_.page_size != 0 &&
+             allocator_->refcount(s.pages[static_cast<std::size_t>(s.kv_len / opt_.page_size)]) > 1;
+    };
+    auto need = [&]() -> std::int32_t {
+      if (!has_sequence(id)) return 0;
+      const Sequence& s = seq(id);
+      return static_cast<std::int32_t>(pages_for(static_cast<std::int64_t>(s.kv_len) + n) -
+                                       static_cast<std::int64_t>(s.pages.size())) + (cow(s) ? 1 : 0);
+    };
+    const Status st = ensure_free(need, "prefill");
+    if (!st.is_ok()) fail("kvkit: ", st.message());
+    KVKIT_CHECK(has_sequence(id), "kvkit: the reclaim callback freed sequence ", id, " during prefill");
+    Sequence& s = seq(id);  // reclaim may have changed the map
+    SeqScope scope(*this, id);
+    std::vector<std::int32_t> pages = s.pages, fresh;  // committed only on success
+    std::int32_t replaced = -1;
+    if (cow(s)) {
+      const std::size_t idx = static_cast<std::size_t>(s.kv_len / opt_.page_size);
+      const std::int32_t p = allocator_->try_allocate();  // ensure_free made room
+      copy_page(pages[idx], p, id);
+      replaced = pages[idx];
+      pages[idx] = p;
+      fresh.push_back(p);
+    }
+    while (static_cast<std::int64_t>(pages.size()) < pages_for(static_cast<std::int64_t>(s.kv_len) + n)) {
+      fresh.push_back(allocator_->try_allocate());
+      pages.push_back(fresh.back());
+    }
+    Status res;
+#if KVKIT_HAS_EXCEPTIONS
+    try {
+#endif
+      res = prefiller_.run(model_, pool_views_.data(), pages, s.tokens.data() + s.processed, n, s.kv_len,
+                           s.processed, nullptr);
+#if KVKIT_HAS_EXCEPTIONS
+    } catch (...) {
+      for (std::int32_t p : fresh) allocator_->release(p);
+      throw;
+    }
+#endif
+    if (!res.is_ok()) {
+      for (std::int32_t p : fresh) allocator_->release(p);
+      fail("kvkit: prefill of sequence ", id, " failed: ", res.to_string());
+    }
+    if (replaced >= 0) allocator_->release(replaced);  // the copy replaced our reference
+    s.pages = std::move(pages);
+    s.kv_len += n;
+    s.processed += n;
+    s.logits.clear();
+    dirty_ = true;
+    return n;
+  }
+
+  /// Appends `more` after the tokens of `id` as prompt to teacher-force (a new chat turn
+  /// after the pending last generated token); the cached K/V stays. Throws kvkit::Error
+  /// for a token outside the vocabulary or a total past seq_len, changing nothing.
+  void append_tokens(SeqId id, const std::vector<std::int32_t>& more) {
+    Sequence& s = seq(id);
+    KVKIT_CHECK(s.tokens.size() + more.size() <= static_cast<std::size_t>(config().seq_len),
+                "kvkit: append_tokens: ", s.tokens.size(), " + ", more.size(),
+                " tokens exceed the model's seq_len ", config().seq_len);
+    for (std::int32_t t : more)
+      KVKIT_CHECK(t >= 0 && t < config().vocab_size, "kvkit: append_tokens: token ", t,
+                  " outside the vocabulary [0, ", config().vocab_size, ")");
+    s.tokens.insert(s.tokens.end(), more.begin(), more.end());
+  }
+
   /// Per-layer views over the live sequences as they are now (batch order = sequences()).
   /// Valid until the next change to the engine.
   const std::vector<PagedKVView<float>>& layer_views() {
@@ -886,6 +971,7 @@ class Engine {
   std::vector<std::int64_t> in_slots_;
   std::vector<float> logits_;  // [batch, vocab]
   std::vector<const float*> query_ptrs_;
+  Prefiller prefiller_;  // batched prefill scratch (prefill())
 };
 
 }  // namespace engine

@@ -11,13 +11,8 @@
 // earlier chunks wrote. RMSNorm, RoPE and SwiGLU are Model's formulas, so the result equals
 // token-by-token teacher forcing up to float rounding (GEMM vs matrix-vector order).
 //
-// Engine integration without touching the engine's private state: prefill_sequence()
-// takes the pages of a sequence whose prompt is still pending, frees the sequence (the
-// pages stay retained), runs the batched pass over all pending prompt tokens but the last,
-// and re-adds the sequence with add_sequence(tokens, pages, cached_len, position); the
-// last prompt token stays pending, so the next step() produces its logits and the first
-// generated token as usual. The sequence gets a NEW id (ids only increase).
-// extend_sequence() appends tokens (a new chat turn) to a live sequence the same way.
+// Engine::prefill(id) runs it over a sequence's pending prompt (all but its last token,
+// which the next step() processes to give logits and the first generated token).
 
 #include <Eigen/Dense>
 #include <algorithm>
@@ -26,7 +21,6 @@
 #include <limits>
 #include <vector>
 
-#include "engine/engine.hpp"
 #include "engine/model.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
@@ -322,82 +316,6 @@ class Prefiller {
   std::vector<std::int32_t> indptr_, indices_, last_len_;  // causal CSR table, [n+1], [...], [n]
   std::vector<unsigned char> ws_;                      // attention workspace
 };
-
-/// What prefill_sequence / extend_sequence did.
-struct PrefillResult {
-  SeqId id = -1;                  // the sequence's (new) id
-  std::int32_t reused = 0;        // tokens whose K/V were cached before the call
-  std::int32_t prefilled = 0;     // tokens run through the batched pass
-};
-
-/// Consumes the pending prompt of sequence `id` in batched passes, all but its last token
-/// (which stays pending: the next step() gives its logits and the first generated token).
-/// Pages come from the engine's allocator (no reclaim callback is asked; too few free
-/// pages throw kvkit::Error before anything changed). The sequence is re-added under a
-/// NEW id, returned with the counts; with nothing to prefill the id is unchanged. A shared
-/// partly filled last page is copied first (copy-on-write), like a step does.
-inline PrefillResult prefill_sequence(Engine& eng, SeqId id, Prefiller& pre) {
-  const std::vector<std::int32_t> tokens = eng.tokens(id);
-  const std::int32_t pos = eng.position(id), cached = eng.kv_len(id);
-  const std::int32_t n = static_cast<std::int32_t>(tokens.size()) - 1 - pos;
-  PrefillResult r;
-  r.id = id;
-  r.reused = cached;
-  if (n <= 0) return r;
-  const std::int32_t ps = eng.options().page_size;
-  std::vector<std::int32_t> pages = eng.pages(id);
-  const std::int64_t want = (static_cast<std::int64_t>(cached) + n + ps - 1) / ps;
-  const bool cow = cached % ps != 0 && eng.allocator().refcount(pages.back()) > 1;
-  const std::int64_t fresh = want - static_cast<std::int64_t>(pages.size()) + (cow ? 1 : 0);
-  KVKIT_CHECK(fresh <= eng.allocator().num_free(), "kvkit: out of KV pages: prefill of ", n,
-              " tokens needs ", fresh, " new pages, ", eng.allocator().num_free(), " are free");
-  for (std::int32_t p : pages) eng.allocator().retain(p);
-  eng.free_sequence(id);  // the retained pages stay ours
-  std::vector<std::int32_t> added;
-  if (cow) {
-    const std::int32_t copy = eng.allocator().try_allocate();
-    const std::int32_t src = pages.back();
-    for (int l = 0; l < eng.config().n_layers; ++l) {
-      const PagedKVView<float> v = make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
-                                                 eng.strides(), CsrPageTable{nullptr, nullptr, nullptr, 0});
-      const Status st = copy_pages(eng.model().exec(), v, &src, &copy, 1);
-      if (!st.is_ok()) fail("kvkit: prefill copy-on-write of page ", src, " failed: ", st.to_string());
-    }
-    eng.allocator().release(src);
-    pages.back() = copy;
-  }
-  while (static_cast<std::int64_t>(pages.size()) < want) {
-    pages.push_back(eng.allocator().try_allocate());
-    added.push_back(pages.back());
-  }
-  std::vector<PagedKVView<float>> pools;
-  for (int l = 0; l < eng.config().n_layers; ++l)
-    pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
-                                  CsrPageTable{nullptr, nullptr, nullptr, 0}));
-  const Status st = pre.run(eng.model(), pools.data(), pages, tokens.data() + pos, n, cached, pos, nullptr);
-  if (!st.is_ok()) {
-    for (std::int32_t p : pages) eng.allocator().release(p);
-    fail("kvkit: batched prefill failed: ", st.to_string());
-  }
-  r.id = eng.add_sequence(tokens, pages, cached + n, pos + n);
-  r.prefilled = n;
-  return r;
-}
-
-/// Appends `more` to the tokens of sequence `id` (after its pending token: a new chat turn
-/// whose first token follows the last generated one) and re-adds it under a new id, its
-/// cached K/V kept (pages moved, not copied). Returns the new id.
-inline SeqId extend_sequence(Engine& eng, SeqId id, const std::vector<std::int32_t>& more) {
-  std::vector<std::int32_t> tokens = eng.tokens(id);
-  tokens.insert(tokens.end(), more.begin(), more.end());
-  KVKIT_CHECK(tokens.size() <= static_cast<std::size_t>(eng.config().seq_len), "kvkit: ",
-              tokens.size(), " tokens exceed the model's seq_len ", eng.config().seq_len);
-  const std::vector<std::int32_t> pages = eng.pages(id);
-  const std::int32_t pos = eng.position(id), cached = eng.kv_len(id);
-  for (std::int32_t p : pages) eng.allocator().retain(p);
-  eng.free_sequence(id);
-  return eng.add_sequence(tokens, pages, cached, pos);
-}
 
 }  // namespace engine
 }  // namespace kvkit
