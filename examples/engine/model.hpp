@@ -196,6 +196,34 @@ class Model {
   const float* queries(int layer) const { return q_.at(static_cast<std::size_t>(layer)).data(); }
   std::int32_t last_batch() const { return last_batch_; }
 
+  /// RMSNorm of every column of x into y (the config's epsilon). Public so batched prefill
+  /// normalises exactly as a step does.
+  template <class In, class Out>
+  void rmsnorm(const In& x, const float* weight /* [dim] */, Out& y) const {
+    const int dim = config().dim;
+    Eigen::Map<const Eigen::VectorXf> w(weight, dim);
+    for (Eigen::Index b = 0; b < x.cols(); ++b) {
+      const float ss = x.col(b).squaredNorm() / static_cast<float>(dim) + config().norm_eps;
+      y.col(b) = x.col(b).cwiseProduct(w) * (1.f / std::sqrt(ss));
+    }
+  }
+
+  /// Rotates pairs (2j, 2j+1) of each head of `vec` ([heads, head_dim]) by pos * freq_j,
+  /// from the table built once at construction (shared with batched prefill).
+  void rope(float* vec /* [heads, head_dim] */, int heads, std::int32_t pos) const {
+    const int hd = config().head_dim(), half = hd / 2;
+    const float* cs = rope_cos_.data() + static_cast<std::size_t>(pos) * half;
+    const float* sn = rope_sin_.data() + static_cast<std::size_t>(pos) * half;
+    for (int h = 0; h < heads; ++h) {
+      float* p = vec + static_cast<std::size_t>(h) * hd;
+      for (int j = 0; j < half; ++j) {
+        const float a = p[2 * j], b = p[2 * j + 1];
+        p[2 * j] = a * cs[j] - b * sn[j];
+        p[2 * j + 1] = a * sn[j] + b * cs[j];
+      }
+    }
+  }
+
  private:
   void ensure_scratch(std::int32_t B) {
     if (B <= capacity_) return;
@@ -220,30 +248,6 @@ class Model {
     for (Eigen::Index b = 0; b < x.cols(); ++b) y.col(b).noalias() = w * x.col(b);
   }
 
-  template <class In, class Out>
-  void rmsnorm(const In& x, const float* weight /* [dim] */, Out& y) const {
-    const int dim = config().dim;
-    Eigen::Map<const Eigen::VectorXf> w(weight, dim);
-    for (Eigen::Index b = 0; b < x.cols(); ++b) {
-      const float ss = x.col(b).squaredNorm() / static_cast<float>(dim) + config().norm_eps;
-      y.col(b) = x.col(b).cwiseProduct(w) * (1.f / std::sqrt(ss));
-    }
-  }
-
-  // Rotates pairs (2j, 2j+1) of each head of `vec` ([heads, head_dim]) by pos * freq_j.
-  void rope(float* vec /* [heads, head_dim] */, int heads, std::int32_t pos) const {
-    const int hd = config().head_dim(), half = hd / 2;
-    const float* cs = rope_cos_.data() + static_cast<std::size_t>(pos) * half;
-    const float* sn = rope_sin_.data() + static_cast<std::size_t>(pos) * half;
-    for (int h = 0; h < heads; ++h) {
-      float* p = vec + static_cast<std::size_t>(h) * hd;
-      for (int j = 0; j < half; ++j) {
-        const float a = p[2 * j], b = p[2 * j + 1];
-        p[2 * j] = a * cs[j] - b * sn[j];
-        p[2 * j + 1] = a * sn[j] + b * cs[j];
-      }
-    }
-  }
 
   std::shared_ptr<const Checkpoint> ck_;
   int threads_ = 1;

@@ -78,7 +78,6 @@ class Prefiller {
     for (std::int32_t i = 0; i < n; ++i)
       KVKIT_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "kvkit: prefill token ", tokens[i],
                   " outside the vocabulary [0, ", c.vocab_size, ")");
-    ensure_rope(c);
     for (std::int32_t done = 0; done < n;) {
       const std::int32_t m = std::min(chunk_, n - done);
       const bool last = done + m == n;
@@ -101,46 +100,6 @@ class Prefiller {
     });
   }
 
-  static void rmsnorm(const M& x, const float* weight /* [dim] */, float eps, M& y) {
-    Eigen::Map<const Eigen::VectorXf> w(weight, x.rows());
-    for (Eigen::Index b = 0; b < x.cols(); ++b) {
-      const float ss = x.col(b).squaredNorm() / static_cast<float>(x.rows()) + eps;
-      y.col(b) = x.col(b).cwiseProduct(w) * (1.f / std::sqrt(ss));
-    }
-  }
-
-  // Model's RoPE table: pairs (2j, 2j+1) rotated by pos * theta^(-2j / head_dim).
-  void ensure_rope(const ModelConfig& c) {
-    const int half = c.head_dim() / 2;
-    if (rope_theta_ == c.rope_theta && rope_half_ == half &&
-        rope_cos_.size() == static_cast<std::size_t>(c.seq_len) * half)
-      return;
-    rope_cos_.resize(static_cast<std::size_t>(c.seq_len) * half);
-    rope_sin_.resize(rope_cos_.size());
-    for (int pos = 0; pos < c.seq_len; ++pos)
-      for (int j = 0; j < half; ++j) {
-        const double freq = std::pow(c.rope_theta, -2.0 * j / c.head_dim());
-        const double angle = pos * freq;
-        rope_cos_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::cos(angle));
-        rope_sin_[static_cast<std::size_t>(pos) * half + j] = static_cast<float>(std::sin(angle));
-      }
-    rope_theta_ = c.rope_theta;
-    rope_half_ = half;
-  }
-
-  void rope(float* vec /* [heads, head_dim] */, int heads, int hd, std::int32_t pos) const {
-    const int half = hd / 2;
-    const float* cs = rope_cos_.data() + static_cast<std::size_t>(pos) * half;
-    const float* sn = rope_sin_.data() + static_cast<std::size_t>(pos) * half;
-    for (int h = 0; h < heads; ++h) {
-      float* p = vec + static_cast<std::size_t>(h) * hd;
-      for (int j = 0; j < half; ++j) {
-        const float a = p[2 * j], b = p[2 * j + 1];
-        p[2 * j] = a * cs[j] - b * sn[j];
-        p[2 * j + 1] = a * sn[j] + b * cs[j];
-      }
-    }
-  }
 
   Status run_chunk(Model& model, const PagedKVView<float>* pools, const std::vector<std::int32_t>& pages,
                    const std::int32_t* tokens, std::int32_t n, std::int32_t cache_start,
@@ -149,7 +108,7 @@ class Prefiller {
     const Checkpoint& ck = model.checkpoint();
     const exec::Host ex = model.exec();
     const DecodeAttentionParams ap = model.attention_params();
-    const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
+    const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim;
     const std::int32_t ps = pools[0].page_size;
     const std::size_t N = static_cast<std::size_t>(n);
     x_.resize(N * dim);
@@ -191,13 +150,13 @@ class Prefiller {
       view.block_table = nullptr;
       view.row_stride = 0;
       view.seq_lens = nullptr;
-      rmsnorm(x, ck.rms_att(l), c.norm_eps, xb);
+      model.rmsnorm(x, ck.rms_att(l), xb);
       gemm(ex, W(ck.wq(l), dim, dim), xb, q);
       gemm(ex, W(ck.wk(l), kv, dim), xb, k);
       gemm(ex, W(ck.wv(l), kv, dim), xb, v);
       for (std::int32_t i = 0; i < n; ++i) {
-        rope(q.col(i).data(), c.n_heads, hd, pos_start + i);
-        rope(k.col(i).data(), c.n_kv_heads, hd, pos_start + i);
+        model.rope(q.col(i).data(), c.n_heads, pos_start + i);
+        model.rope(k.col(i).data(), c.n_kv_heads, pos_start + i);
       }
       KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), slots_.data(), n,
                                      static_cast<std::int64_t>(kv)));
@@ -211,7 +170,7 @@ class Prefiller {
       }
       gemm(ex, W(ck.wo(l), dim, dim), att, xb);
       x += xb;
-      rmsnorm(x, ck.rms_ffn(l), c.norm_eps, xb);
+      model.rmsnorm(x, ck.rms_ffn(l), xb);
       gemm(ex, W(ck.w1(l), hid, dim), xb, h1);
       gemm(ex, W(ck.w3(l), hid, dim), xb, h3);
       h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
@@ -220,7 +179,7 @@ class Prefiller {
     }
     if (last_logits != nullptr) {
       M xl(x_.data() + (N - 1) * dim, dim, 1), yl(xb_.data(), dim, 1);
-      rmsnorm(xl, ck.rms_final(), c.norm_eps, yl);
+      model.rmsnorm(xl, ck.rms_final(), yl);
       Eigen::Map<Eigen::VectorXf> out(last_logits, c.vocab_size);
       out.noalias() = W(ck.classifier(), c.vocab_size, dim) * yl.col(0);
     }
@@ -308,9 +267,6 @@ class Prefiller {
   bool tiled_ = true;
   std::vector<TileScratch> tiles_;
   std::int32_t chunk_;
-  double rope_theta_ = 0;
-  int rope_half_ = 0;
-  std::vector<float> rope_cos_, rope_sin_;             // [seq_len, head_dim / 2]
   std::vector<float> x_, xb_, att_, q_, k_, v_, h1_, h3_;  // [n, width] each
   std::vector<std::int64_t> slots_;                    // [n]
   std::vector<std::int32_t> indptr_, indices_, last_len_;  // causal CSR table, [n+1], [...], [n]
