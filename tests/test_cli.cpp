@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/checkpoint.hpp"
+#include "engine_runs.hpp"
 #include "engine/engine.hpp"
 #include "engine/gguf.hpp"
 #include "engine/npy.hpp"
@@ -26,6 +27,7 @@
 
 using namespace kvkit;
 using namespace kvkit::engine;
+using kvkit::test::run_engine;
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
@@ -54,20 +56,6 @@ std::shared_ptr<const Checkpoint> synthetic() {
   return ck;
 }
 
-// Runs `steps` engine steps for the given prompts; returns every sequence's tokens.
-std::vector<std::vector<std::int32_t>> run_engine(std::shared_ptr<const Checkpoint> ck,
-                                                  EngineOptions o,
-                                                  const std::vector<std::vector<std::int32_t>>& prompts,
-                                                  int steps) {
-  o.max_batch = static_cast<std::int32_t>(prompts.size());
-  Engine eng(std::move(ck), o);
-  std::vector<SeqId> ids;
-  for (const auto& p : prompts) ids.push_back(eng.add_sequence(p));
-  for (int s = 0; s < steps; ++s) eng.step();
-  std::vector<std::vector<std::int32_t>> out;
-  for (SeqId id : ids) out.push_back(eng.tokens(id));
-  return out;
-}
 
 using Tokens = std::vector<std::int32_t>;
 

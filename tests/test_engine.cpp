@@ -25,9 +25,11 @@
 #include "engine/engine.hpp"
 #include "engine/npy.hpp"
 #include "reference_forward.hpp"
+#include "engine_runs.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
+using kvkit::test::run_engine;
 namespace fs = std::filesystem;
 
 namespace {
@@ -67,20 +69,6 @@ struct TempDir {
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
 
-// Runs `steps` engine steps for the given prompts; returns every sequence's tokens.
-std::vector<std::vector<std::int32_t>> run_engine(std::shared_ptr<const Checkpoint> ck,
-                                                  EngineOptions o,
-                                                  const std::vector<std::vector<std::int32_t>>& prompts,
-                                                  int steps) {
-  o.max_batch = static_cast<std::int32_t>(prompts.size());
-  Engine eng(std::move(ck), o);
-  std::vector<SeqId> ids;
-  for (const auto& p : prompts) ids.push_back(eng.add_sequence(p));
-  for (int s = 0; s < steps; ++s) eng.step();
-  std::vector<std::vector<std::int32_t>> out;
-  for (SeqId id : ids) out.push_back(eng.tokens(id));
-  return out;
-}
 
 std::size_t distinct(const std::vector<std::int32_t>& v) {
   return std::set<std::int32_t>(v.begin(), v.end()).size();
