@@ -38,10 +38,11 @@
 // equal budgets) are in <kvkit/compressor/scorers.hpp>: SnapKV (Z = I, no redundancy) and
 // StreamingLLM (sinks + most recent). This header includes no other policy.
 //
-// Execution: exec::Host only (plain loops written to vectorise; parallel over kv heads).
-// TODO(CUDA, later task): an exec::Cuda overload of workspace_size/select with kernels in
-// kernels/cuda/ (scores, softmax, pooling, redundancy, top-k), no host sync or allocation,
-// parity-tested against this CPU twin (exact kept sets).
+// Execution: exec::Host (plain loops written to vectorise, an int8 VNNI filter for the r(i)
+// scan where AVX-512 VNNI is compiled in; parallel over kv heads) and exec::Cuda: the
+// same select on device buffers, with its kernels in <kvkit/kernels/cuda/r1kv.cuh>
+// (reached through <kvkit/cuda.cuh>); it never allocates or synchronises the host, so an
+// engine can capture it in a CUDA graph.
 
 #include <algorithm>
 #include <cmath>
@@ -50,6 +51,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kvkit/core/config.hpp"
 #include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
@@ -128,8 +130,8 @@ struct R1KV {
   static constexpr const char* kName = "r1kv";
   static constexpr bool kUsesAttention = true;
   static constexpr bool kUsesRedundancy = true;
-  static double score(const Params& p, double importance, double redundancy, std::int32_t,
-                      std::int32_t) {
+  KVKIT_HOST_DEVICE static double score(const Params& p, double importance, double redundancy,
+                                        std::int32_t, std::int32_t) {
     const double lam = p.lambda;
     return lam * importance - (1.0 - lam) * redundancy;
   }
@@ -393,6 +395,19 @@ inline bool carve_head_scratch(WorkspaceCarver& c, std::size_t s, std::size_t d,
   h.filter.scale = c.take<float>(filter_cols(s));
   h.filter.corr = c.take<std::int32_t>(s);
   return h.filter.corr != nullptr;
+}
+
+/// Device scratch of the exec::Cuda select for Hkv heads of up to S slots, D dims and R
+/// query rows (carved in this order by kernels/cuda/r1kv.cuh).
+inline WorkspaceSizer& size_cuda_scratch(WorkspaceSizer& w, std::size_t hkv, std::size_t s,
+                                         std::size_t d, std::size_t r) {
+  const std::size_t hs = hkv * s;
+  return w.add<float>(hs * d)                                  // normed  [Hkv, S, D]
+      .add<float>(hs * r)                                      // logits  [Hkv, R, S]
+      .add<double>(hs).add<double>(hs).add<double>(hs)         // attn, imp, red [Hkv, S]
+      .add<double>(hs)                                         // score   [Hkv, S]
+      .add<std::int32_t>(hs).add<std::int32_t>(hs)             // near, rank [Hkv, S]
+      .add<double>(hkv * d);                                   // nsum    [Hkv, D]
 }
 
 /// Steps 1-3: importance I[j] for candidates j < n_cand (= S - w). queries: [G*R, D]
@@ -812,6 +827,32 @@ class Compressor {
     for (std::size_t i = 0; i < workers; ++i) size_slab(w, max);
     return w.bytes();
   }
+
+  /// Device scratch bytes the exec::Cuda select needs for calls up to `max`.
+  std::size_t workspace_size(exec::Cuda, const Shape& max) const {
+    if (max.num_kv_heads <= 0 || max.head_dim <= 0 || max.seq_len <= 0) return 0;
+    const std::size_t r = static_cast<std::size_t>(rows_used(params_, max));
+    WorkspaceSizer w;
+    detail::size_cuda_scratch(w, static_cast<std::size_t>(max.num_kv_heads),
+                              static_cast<std::size_t>(max.seq_len),
+                              static_cast<std::size_t>(max.head_dim), r);
+    return w.bytes();
+  }
+
+  /// The CUDA twin of the dense select: keys, queries, keep and num_keep are device
+  /// memory on ex.stream, ws is device memory of workspace_size(ex, shape) bytes. Scalars
+  /// are checked on the host (a Status right away); non-finite scores are reported to
+  /// ex.status (kInvalidArgument, as the CPU twin) and then keep / num_keep are not
+  /// written. Never allocates or synchronises: the caller reads num_keep (or already
+  /// knows it: min(S, budget)) after synchronising. Defined in kernels/cuda/r1kv.cuh.
+  template <class T>
+  Status select(exec::Cuda ex, const T* keys,  // [Hkv, S, D] device
+                const T* queries,              // [Hq, Lq, D] device
+                const Shape& shape,
+                std::int32_t* keep,       // [Hkv, keep_stride] device
+                std::int32_t keep_stride,
+                std::int32_t* num_keep,   // [1] device
+                Workspace ws) const;
 
   /// Selects the kept slots of one sequence from dense buffers. keys: [Hkv, S, D];
   /// queries: [Hq, Lq, D] (the layer's last Lq <= window queries, current one last;
