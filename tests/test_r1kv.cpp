@@ -344,6 +344,86 @@ TEST_CASE("r1kv: r(i) vs brute force on long sequences and several key distribut
   }
 }
 
+TEST_CASE("r1kv: r(i) with the int8 cosine filter vs brute force (thresholds, dims, zero keys)",
+          "[r1kv]") {
+  // With AVX-512 VNNI (test_r1kv_native on such a machine) the scan filters pairs with int8
+  // cosines and an error band; elsewhere the filter scratch is ignored. Either way r(i) and
+  // Rd must equal the float scan's, for thresholds near typical cosines and far from them.
+  KVKIT_TEST_RNG(rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int dim : {16, 37, 128})
+    for (int s : {1, 17, 100, 300})
+      for (int kind = 0; kind < 4; ++kind) {
+        CAPTURE(dim, s, kind);
+        // 0 random, 1 planted near-duplicates, 2 shared direction, 3 random with zero keys
+        std::vector<float> keys;
+        if (kind == 1) {
+          keys = make_keys<float>(1, s, dim, rng);
+        } else {
+          keys.resize(static_cast<std::size_t>(s) * dim);
+          std::vector<float> dir(dim);
+          for (auto& x : dir) x = kind == 2 ? nd(rng) : 0.f;
+          for (int j = 0; j < s; ++j)
+            for (int d = 0; d < dim; ++d)
+              keys[j * dim + d] = (kind == 3 && j % 7 == 3) ? 0.f : dir[d] + nd(rng);
+        }
+        std::vector<float> normed(keys.size());
+        for (int j = 0; j < s; ++j) {
+          double nrm = 0;
+          for (int d = 0; d < dim; ++d) nrm += double(keys[j * dim + d]) * keys[j * dim + d];
+          for (int d = 0; d < dim; ++d)
+            normed[j * dim + d] =
+                static_cast<float>(keys[j * dim + d] * (1.0 / (std::sqrt(nrm) + 1e-8)));
+        }
+        std::vector<double> cosine(static_cast<std::size_t>(s) * s);  // float64
+        for (int i = 0; i < s; ++i)
+          for (int j = 0; j < s; ++j) {
+            double dot = 0;
+            for (int d = 0; d < dim; ++d) dot += double(normed[i * dim + d]) * normed[j * dim + d];
+            cosine[static_cast<std::size_t>(i) * s + j] = dot;
+          }
+        for (float thr : {0.5f, 0.1f, -0.3f, 0.95f}) {
+          CAPTURE(thr);
+          const std::size_t sp = cp::detail::filter_cols(s), d4 = cp::detail::filter_dim(dim);
+          std::vector<std::int8_t> qrows(sp * d4, 99);
+          std::vector<std::uint8_t> qcols(sp * d4, 7);
+          std::vector<float> qscale(sp, -5.f);
+          std::vector<std::int32_t> qcorr(s, 3);
+          cp::detail::CosineFilter filter{qrows.data(), qcols.data(), qscale.data(),
+                                          qcorr.data()};
+          std::vector<std::int32_t> near(s), low(s), reach(s), early(s);
+          std::vector<std::int32_t> near_f(s), low_f(s), reach_f(s), early_f(s);
+          std::vector<double> red(s), nsum(dim), red_f(s), nsum_f(dim);
+          cp::detail::redundancy(normed.data(), s, dim, thr, near.data(), low.data(), reach.data(),
+                                 early.data(), nsum.data(), red.data());
+          cp::detail::redundancy(normed.data(), s, dim, thr, near_f.data(), low_f.data(),
+                                 reach_f.data(), early_f.data(), nsum_f.data(), red_f.data(),
+                                 &filter);
+          int ambiguous_rows = 0;
+          for (int i = 0; i < s; ++i) {
+            int r = 0;
+            bool ambiguous = false;
+            for (int j = 0; j < s; ++j) {
+              if (j == i) continue;
+              const double dot = cosine[static_cast<std::size_t>(i) * s + j];
+              if (dot > thr) r = j;
+              ambiguous = ambiguous || std::abs(dot - thr) < 1e-5;
+            }
+            CAPTURE(i);
+            if (ambiguous && (near_f[i] != r || near[i] != r)) {
+              ++ambiguous_rows;
+              continue;
+            }
+            REQUIRE(near_f[i] == r);
+            REQUIRE(near[i] == r);
+          }
+          REQUIRE(ambiguous_rows <= 2);
+          if (ambiguous_rows == 0)
+            for (int j = 0; j < s; ++j) REQUIRE(red_f[j] == red[j]);  // same r(i): same sums
+        }
+      }
+}
+
 TEST_CASE("r1kv: kept slots vs float64, GQA 1/2/4/8, S from budget to budget+buffer", "[r1kv]") {
   KVKIT_TEST_RNG(rng);
   for (int groups : {1, 2, 4, 8})

@@ -38,10 +38,11 @@
 // equal budgets) are in <kvkit/compressor/scorers.hpp>: SnapKV (Z = I, no redundancy) and
 // StreamingLLM (sinks + most recent). This header includes no other policy.
 //
-// Execution: exec::Host only (plain loops written to vectorise; parallel over kv heads).
-// TODO(CUDA, later task): an exec::Cuda overload of workspace_size/select with kernels in
-// kernels/cuda/ (scores, softmax, pooling, redundancy, top-k), no host sync or allocation,
-// parity-tested against this CPU twin (exact kept sets).
+// Execution: exec::Host (plain loops written to vectorise, an int8 VNNI filter for the r(i)
+// scan where AVX-512 VNNI is compiled in; parallel over kv heads) and exec::Cuda: the
+// same select on device buffers, with its kernels in <kvkit/kernels/cuda/r1kv.cuh>
+// (reached through <kvkit/cuda.cuh>); it never allocates or synchronises the host, so an
+// engine can capture it in a CUDA graph.
 
 #include <algorithm>
 #include <cmath>
@@ -50,6 +51,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kvkit/core/config.hpp"
 #include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
@@ -57,6 +59,23 @@
 #include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
+
+// The r(i) scan's int8 cosine filter (detail::redundancy) needs AVX-512 VNNI; elsewhere the
+// scan computes every cosine in float (same kept sets). KVKIT_SIMD_PORTABLE turns it off.
+#if !defined(KVKIT_SIMD_PORTABLE) && !defined(__CUDA_ARCH__) && \
+    (defined(__GNUC__) || defined(__clang__)) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVKIT_R1KV_VNNI 1
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
 
 namespace kvkit {
 namespace compressor {
@@ -111,8 +130,8 @@ struct R1KV {
   static constexpr const char* kName = "r1kv";
   static constexpr bool kUsesAttention = true;
   static constexpr bool kUsesRedundancy = true;
-  static double score(const Params& p, double importance, double redundancy, std::int32_t,
-                      std::int32_t) {
+  KVKIT_HOST_DEVICE static double score(const Params& p, double importance, double redundancy,
+                                        std::int32_t, std::int32_t) {
     const double lam = p.lambda;
     return lam * importance - (1.0 - lam) * redundancy;
   }
@@ -311,6 +330,20 @@ inline double dot_double(const A* a, const float* b, std::int32_t dim) {  // [D]
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
+/// int8 copies of one head's normalised keys for the r(i) scan's filter (detail::redundancy):
+/// q[i,k] = round(n[i,k] / scale[i]) with scale[i] = max_k |n[i,k]| / 127, so
+/// <n_i, n_j> = scale[i] scale[j] sum_k q[i,k] q[j,k] + e with |e| <= the head's `band`.
+/// Columns are packed for VNNI (16 columns x 4 dims per 64-byte vector, stored as q + 128).
+struct CosineFilter {
+  std::int8_t* rows = nullptr;    // [ceil(S/16), D4/4, 16, 4] q, 0 past S / D (D4 = D up to 4)
+  std::uint8_t* cols = nullptr;   // [ceil(S/16), D4/4, 16, 4] q + 128 (the same bytes ^ 0x80)
+  float* scale = nullptr;         // [ceil(S/16)*16] max_k |n[i,k]| / 127 (0: zero key, padding)
+  std::int32_t* corr = nullptr;   // [S] 128 sum_k q[i,k] (the +128 of the packed side)
+};
+
+inline std::size_t filter_dim(std::size_t d) { return (d + 3) / 4 * 4; }
+inline std::size_t filter_cols(std::size_t s) { return (s + 15) / 16 * 16; }
+
 /// Per-head scratch of the pipeline, carved from one worker's slab.
 struct HeadScratch {
   float* keys = nullptr;    // [S, D] raw keys as float
@@ -327,6 +360,7 @@ struct HeadScratch {
   std::int32_t* early = nullptr; // [S] rows whose phase-A scan stopped early
   std::int32_t* order = nullptr; // [S] candidate slots being ranked
   double* nsum = nullptr;   // [D] sum_i n_i
+  CosineFilter filter;      // int8 copies of normed (used with AVX-512 VNNI)
 };
 
 inline WorkspaceSizer& size_head_scratch(WorkspaceSizer& w, std::size_t s, std::size_t d,
@@ -334,7 +368,10 @@ inline WorkspaceSizer& size_head_scratch(WorkspaceSizer& w, std::size_t s, std::
   return w.add<float>(s * d).add<float>(s * d).add<float>(gr * d).add<float>(r * s)
       .add<double>(s).add<double>(s).add<double>(s).add<double>(s)
       .add<std::int32_t>(s).add<std::int32_t>(s).add<std::int32_t>(s).add<std::int32_t>(s)
-      .add<std::int32_t>(s).add<double>(d);
+      .add<std::int32_t>(s).add<double>(d)
+      .add<std::int8_t>(filter_cols(s) * filter_dim(d))
+      .add<std::uint8_t>(filter_cols(s) * filter_dim(d))
+      .add<float>(filter_cols(s)).add<std::int32_t>(s);
 }
 
 inline bool carve_head_scratch(WorkspaceCarver& c, std::size_t s, std::size_t d, std::size_t gr,
@@ -353,7 +390,24 @@ inline bool carve_head_scratch(WorkspaceCarver& c, std::size_t s, std::size_t d,
   h.early = c.take<std::int32_t>(s);
   h.order = c.take<std::int32_t>(s);
   h.nsum = c.take<double>(d);
-  return h.nsum != nullptr;
+  h.filter.rows = c.take<std::int8_t>(filter_cols(s) * filter_dim(d));
+  h.filter.cols = c.take<std::uint8_t>(filter_cols(s) * filter_dim(d));
+  h.filter.scale = c.take<float>(filter_cols(s));
+  h.filter.corr = c.take<std::int32_t>(s);
+  return h.filter.corr != nullptr;
+}
+
+/// Device scratch of the exec::Cuda select for Hkv heads of up to S slots, D dims and R
+/// query rows (carved in this order by kernels/cuda/r1kv.cuh).
+inline WorkspaceSizer& size_cuda_scratch(WorkspaceSizer& w, std::size_t hkv, std::size_t s,
+                                         std::size_t d, std::size_t r) {
+  const std::size_t hs = hkv * s;
+  return w.add<float>(hs * d)                                  // normed  [Hkv, S, D]
+      .add<float>(hs * r)                                      // logits  [Hkv, R, S]
+      .add<double>(hs).add<double>(hs).add<double>(hs)         // attn, imp, red [Hkv, S]
+      .add<double>(hs)                                         // score   [Hkv, S]
+      .add<std::int32_t>(hs).add<std::int32_t>(hs)             // near, rank [Hkv, S]
+      .add<double>(hkv * d);                                   // nsum    [Hkv, D]
 }
 
 /// Steps 1-3: importance I[j] for candidates j < n_cand (= S - w). queries: [G*R, D]
@@ -409,6 +463,145 @@ inline void importance(const float* queries, const float* keys, std::int32_t gro
   }
 }
 
+#if defined(KVKIT_R1KV_VNNI)
+/// Fills f from normed (see CosineFilter) and returns the head's error band: for every
+/// pair, |<n_i, n_j> - scale_i scale_j sum_k q_ik q_jk| < band, the float rounding of both
+/// sides included (2 e L + D4 e^2 + 1e-4 with e the largest half step max_i scale_i / 2
+/// and L the largest L1 norm of a row: |a.b - a'.b'| <= |a|_1 e_b + |b|_1 e_a + D e_a e_b).
+inline float quantize_keys(const float* normed, std::int32_t s, std::int32_t dim,  // [S, D]
+                           CosineFilter& f) {
+  const std::int32_t d4 = static_cast<std::int32_t>(filter_dim(dim)), k4n = d4 / 4;
+  const std::int32_t sp = static_cast<std::int32_t>(filter_cols(s));
+  double emax = 0.0, lmax = 0.0;
+  for (std::int32_t i = 0; i < sp; ++i) {
+    const std::int32_t cb = i / 16, c = i % 16;
+    std::int8_t* q = f.rows + static_cast<std::int64_t>(cb) * k4n * 64 + c * 4;  // + k4*64 + e
+    if (i >= s) {  // padding rows: q = 0
+      for (std::int32_t k = 0; k < d4; ++k) q[(k / 4) * 64 + k % 4] = 0;
+      f.scale[i] = 0.f;
+      continue;
+    }
+    // 16 dims at a time (masked tail): |n| max and L1, q = round-to-even(n * 127 / m)
+    // clamped to [-127, 127] (NaN -> INT_MIN -> -127), stored as four 4-byte groups.
+    const float* n = normed + static_cast<std::int64_t>(i) * dim;
+    __m512 vmax = _mm512_setzero_ps(), vl1 = _mm512_setzero_ps();
+    for (std::int32_t k = 0; k < dim; k += 16) {
+      const __mmask16 mk = dim - k >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                         : static_cast<__mmask16>((1u << (dim - k)) - 1u);
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, n + k));
+      vmax = _mm512_max_ps(a, vmax);  // a NaN lane of a keeps the old maximum
+      vl1 = _mm512_add_ps(vl1, a);
+    }
+    const float m = _mm512_reduce_max_ps(vmax);
+    const double l1 = static_cast<double>(_mm512_reduce_add_ps(vl1)) * (1.0 + 1e-5);
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m512i vsum = _mm512_setzero_si512();
+    for (std::int32_t k = 0; k < d4; k += 16) {
+      const std::int32_t left = dim - k;
+      const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                           : left > 0 ? static_cast<__mmask16>((1u << left) - 1u)
+                                      : static_cast<__mmask16>(0);
+      __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, n + k), inv));
+      qi = _mm512_min_epi32(_mm512_max_epi32(qi, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+      vsum = _mm512_add_epi32(vsum, qi);
+      alignas(16) std::int8_t b[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(b), _mm512_cvtepi32_epi8(qi));
+      for (std::int32_t g = 0; g < 4 && k + 4 * g < d4; ++g)
+        std::memcpy(q + ((k / 4) + g) * 64, b + 4 * g, 4);
+    }
+    const std::int32_t sum = _mm512_reduce_add_epi32(vsum);
+    f.scale[i] = m / 127.f;
+    f.corr[i] = 128 * sum;
+    emax = std::max(emax, 0.5 * static_cast<double>(m) / 127.0);
+    lmax = std::max(lmax, l1);
+  }
+  // cols = rows ^ 0x80 (q + 128), 64 bytes at a time (sp * d4 is a multiple of 64).
+  const std::int64_t bytes = static_cast<std::int64_t>(sp) * d4;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (std::int64_t b = 0; b < bytes; b += 64)
+    _mm512_storeu_si512(f.cols + b, _mm512_xor_si512(_mm512_loadu_si512(f.rows + b), flip));
+  return static_cast<float>(2.0 * emax * lmax + d4 * emax * emax + 1e-4);
+}
+
+/// Phase A of redundancy with an int8 filter (AVX-512 VNNI): rows in blocks of 16 against
+/// columns in blocks of 16, from the last block down; an int8 cosine below thr - band
+/// is not a match, above thr + band is one, and the few in between are computed in float
+/// (dot4, as phase B). Same outputs as the float scan (near, low, reach), for any keys.
+inline void scan_upper_filtered(const float* normed, std::int32_t s, std::int32_t dim,  // [S, D]
+                                float thr, CosineFilter& f,
+                                std::int32_t* near,    // [S]
+                                std::int32_t* low,     // [S]
+                                std::int32_t* reach) { // [S]
+  const float band = quantize_keys(normed, s, dim, f);
+  const __m512 lo = _mm512_set1_ps(thr - band), hi = _mm512_set1_ps(thr + band);
+  const std::int32_t k4n = static_cast<std::int32_t>(filter_dim(dim)) / 4;
+  constexpr std::int32_t kRows = 16;
+  for (std::int32_t i0 = 0; i0 < s; i0 += kRows) {
+    bool open[kRows];
+    std::int32_t left = 0;
+    for (std::int32_t t = 0; t < kRows; ++t) {
+      open[t] = i0 + t < s - 1;  // the last row has no upper columns
+      left += open[t];
+    }
+    const std::int8_t* pr = f.rows + static_cast<std::int64_t>(i0 / kRows) * k4n * 64;
+    std::int32_t lowest = s;
+    // Column blocks from the last one down, while one holds a column above i0.
+    for (std::int32_t cb = (s - 1) / 16; left > 0 && 16 * cb + 15 > i0; --cb) {
+      __m512i acc[kRows];
+      for (std::int32_t t = 0; t < kRows; ++t) acc[t] = _mm512_setzero_si512();
+      const std::uint8_t* pc = f.cols + static_cast<std::int64_t>(cb) * k4n * 64;
+      for (std::int32_t k = 0; k < k4n; ++k) {
+        const __m512i b = _mm512_loadu_si512(pc + static_cast<std::int64_t>(k) * 64);
+        const std::int8_t* a = pr + static_cast<std::int64_t>(k) * 64;
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 16
+#endif
+        for (std::int32_t t = 0; t < kRows; ++t) {
+          std::int32_t a4;
+          std::memcpy(&a4, a + 4 * t, 4);  // row i0 + t, dims 4k .. 4k+3
+          acc[t] = _mm512_dpbusd_epi32(acc[t], b, _mm512_set1_epi32(a4));
+        }
+      }
+      const std::int32_t c0 = 16 * cb;
+      lowest = c0;
+      const __m512 cs = _mm512_loadu_ps(f.scale + c0);
+      const std::int32_t last = std::min(16, s - c0);  // columns c0 .. c0+last-1 exist
+      for (std::int32_t t = 0; t < kRows; ++t) {
+        const std::int32_t i = i0 + t;
+        if (i >= s) break;
+        const std::int32_t first = std::max(0, i + 1 - c0);  // columns above i
+        if (first >= last) continue;
+        const std::uint32_t valid = ((1u << last) - 1u) & ~((1u << first) - 1u);
+        const __m512 approx =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t], _mm512_set1_epi32(f.corr[i]))),
+                          _mm512_mul_ps(cs, _mm512_set1_ps(f.scale[i])));
+        const std::uint32_t cand = _mm512_cmp_ps_mask(approx, lo, _CMP_GT_OQ) & valid;
+        if (cand == 0) continue;
+        std::uint32_t match = _mm512_cmp_ps_mask(approx, hi, _CMP_GT_OQ) & cand;
+        const float* ni = normed + static_cast<std::int64_t>(i) * dim;
+        for (std::uint32_t m = cand & ~match; m != 0; m &= m - 1) {
+          const std::int32_t c = __builtin_ctz(m);
+          float cc[4];
+          dot4(ni, ni, ni, ni, normed + static_cast<std::int64_t>(c0 + c) * dim, dim, cc);
+          if (cc[0] > thr) match |= 1u << c;
+        }
+        for (std::uint32_t m = match; m != 0; m &= m - 1) {
+          const std::int32_t j = c0 + __builtin_ctz(m);
+          low[j] = std::max(low[j], i);
+        }
+        if (match != 0 && open[t]) {  // the largest match of the first block with one
+          near[i] = c0 + 31 - __builtin_clz(match);
+          open[t] = false;
+          --left;
+        }
+      }
+    }
+    for (std::int32_t t = 0; t < kRows && i0 + t < s; ++t)
+      reach[i0 + t] = std::max(lowest, i0 + t + 1);
+  }
+}
+#endif
+
 /// Step 4: Rd[j] for all S slots (into red). normed: [S, D]. near: [S] receives r(i);
 /// low, reach, early: [S] scratch.
 ///
@@ -429,89 +622,98 @@ inline void redundancy(const float* normed, std::int32_t s, std::int32_t dim, fl
                        std::int32_t* reach,  // [S]
                        std::int32_t* early,  // [S]
                        double* nsum,         // [D]
-                       double* red) {        // [S]
+                       double* red,          // [S]
+                       CosineFilter* filter = nullptr) {  // scratch, see CosineFilter
   for (std::int32_t i = 0; i < s; ++i) {
     low[i] = -1;
     near[i] = -1;
   }
-  // Phase A. Columns go in steps of kCols from s-1 down; 64 rows (16 blocks of 4) share
-  // each chunk of 256 columns so the chunk's keys stay in L2 while the rows pass over it.
-  // Columns per step: 4 with AVX-512 (32 vector registers hold the 4x4 tile), else 2.
-#if defined(__AVX512F__)
-  constexpr std::int32_t kCols = 4;
-#else
-  constexpr std::int32_t kCols = 2;
+#if defined(KVKIT_R1KV_VNNI)
+  if (filter != nullptr) {
+    scan_upper_filtered(normed, s, dim, thr, *filter, near, low, reach);
+  } else  // NOLINT(readability/braces): the portable scan below
 #endif
-  constexpr std::int32_t kSub = 16, kChunk = 256 / kCols;
-  struct Sub {
-    const float* a[4];
-    bool open[4];
-    int left;
-    bool active;
-    std::int32_t lowest;
-  };
-  Sub sub[kSub];
-  float cc[4][4];
-  for (std::int32_t r0 = 0; r0 < s; r0 += 4 * kSub) {
-    bool any = false;
-    for (std::int32_t b = 0; b < kSub; ++b) {
-      Sub& u = sub[b];
-      const std::int32_t i0 = r0 + 4 * b;
-      u.left = 0;
-      u.lowest = s;
-      for (int t = 0; t < 4; ++t) {
-        u.a[t] = normed + static_cast<std::int64_t>(std::min(i0 + t, s - 1)) * dim;
-        u.open[t] = i0 + t < s - 1;  // the last row has no upper columns
-        u.left += u.open[t];
-      }
-      u.active = u.left > 0;
-      any = any || u.active;
-    }
-    for (std::int32_t k0 = 0; any; k0 += kChunk) {
-      any = false;
+  {  // NOLINT
+    (void)filter;
+    // Phase A. Columns go in steps of kCols from s-1 down; 64 rows (16 blocks of 4) share
+    // each chunk of 256 columns so the chunk's keys stay in L2 while the rows pass over it.
+    // Columns per step: 4 with AVX-512 (32 vector registers hold the 4x4 tile), else 2.
+  #if defined(__AVX512F__)
+    constexpr std::int32_t kCols = 4;
+  #else
+    constexpr std::int32_t kCols = 2;
+  #endif
+    constexpr std::int32_t kSub = 16, kChunk = 256 / kCols;
+    struct Sub {
+      const float* a[4];
+      bool open[4];
+      int left;
+      bool active;
+      std::int32_t lowest;
+    };
+    Sub sub[kSub];
+    float cc[4][4];
+    for (std::int32_t r0 = 0; r0 < s; r0 += 4 * kSub) {
+      bool any = false;
       for (std::int32_t b = 0; b < kSub; ++b) {
         Sub& u = sub[b];
-        if (!u.active) continue;
         const std::int32_t i0 = r0 + 4 * b;
-        for (std::int32_t k = k0; k < k0 + kChunk; ++k) {
-          const std::int32_t j = s - 1 - kCols * k;  // columns j, j-1, ..., j-kCols+1
-          if (j <= i0 || u.left == 0) {
-            u.active = false;
-            break;
-          }
-          if (kCols == 4) {
-            const float* bc[4];
-            for (int c = 0; c < 4; ++c)
-              bc[c] = normed + static_cast<std::int64_t>(std::max(j - c, 0)) * dim;
-            dot4x4(u.a, bc, dim, cc);
-          } else {
-            dot4x2(u.a[0], u.a[1], u.a[2], u.a[3], normed + static_cast<std::int64_t>(j) * dim,
-                   normed + static_cast<std::int64_t>(j - 1) * dim, dim, cc[0], cc[1]);
-          }
-          u.lowest = j - kCols + 1;
-          for (int t = 0; t < 4; ++t) {
-            const std::int32_t i = i0 + t;
-            if (i >= s) break;
-            for (int c = 0; c < kCols; ++c) {  // descending: the first match is the largest
-              const std::int32_t jc = j - c;
-              if (jc > i && cc[c][t] > thr) {
-                low[jc] = std::max(low[jc], i);
-                if (u.open[t]) {
-                  near[i] = jc;
-                  u.open[t] = false;
-                  --u.left;
+        u.left = 0;
+        u.lowest = s;
+        for (int t = 0; t < 4; ++t) {
+          u.a[t] = normed + static_cast<std::int64_t>(std::min(i0 + t, s - 1)) * dim;
+          u.open[t] = i0 + t < s - 1;  // the last row has no upper columns
+          u.left += u.open[t];
+        }
+        u.active = u.left > 0;
+        any = any || u.active;
+      }
+      for (std::int32_t k0 = 0; any; k0 += kChunk) {
+        any = false;
+        for (std::int32_t b = 0; b < kSub; ++b) {
+          Sub& u = sub[b];
+          if (!u.active) continue;
+          const std::int32_t i0 = r0 + 4 * b;
+          for (std::int32_t k = k0; k < k0 + kChunk; ++k) {
+            const std::int32_t j = s - 1 - kCols * k;  // columns j, j-1, ..., j-kCols+1
+            if (j <= i0 || u.left == 0) {
+              u.active = false;
+              break;
+            }
+            if (kCols == 4) {
+              const float* bc[4];
+              for (int c = 0; c < 4; ++c)
+                bc[c] = normed + static_cast<std::int64_t>(std::max(j - c, 0)) * dim;
+              dot4x4(u.a, bc, dim, cc);
+            } else {
+              dot4x2(u.a[0], u.a[1], u.a[2], u.a[3], normed + static_cast<std::int64_t>(j) * dim,
+                     normed + static_cast<std::int64_t>(j - 1) * dim, dim, cc[0], cc[1]);
+            }
+            u.lowest = j - kCols + 1;
+            for (int t = 0; t < 4; ++t) {
+              const std::int32_t i = i0 + t;
+              if (i >= s) break;
+              for (int c = 0; c < kCols; ++c) {  // descending: the first match is the largest
+                const std::int32_t jc = j - c;
+                if (jc > i && cc[c][t] > thr) {
+                  low[jc] = std::max(low[jc], i);
+                  if (u.open[t]) {
+                    near[i] = jc;
+                    u.open[t] = false;
+                    --u.left;
+                  }
                 }
               }
             }
           }
+          if (u.left == 0) u.active = false;
+          any = any || u.active;
         }
-        if (u.left == 0) u.active = false;
-        any = any || u.active;
       }
+      for (std::int32_t b = 0; b < kSub; ++b)
+        for (int t = 0; t < 4 && r0 + 4 * b + t < s; ++t)
+          reach[r0 + 4 * b + t] = std::max(sub[b].lowest, r0 + 4 * b + t + 1);
     }
-    for (std::int32_t b = 0; b < kSub; ++b)
-      for (int t = 0; t < 4 && r0 + 4 * b + t < s; ++t)
-        reach[r0 + 4 * b + t] = std::max(sub[b].lowest, r0 + 4 * b + t + 1);
   }
   // Phase B. Only rows that stopped early (reach[j] > j+1) left pairs (j, i > j) uncomputed.
   std::int32_t n_early = 0;
@@ -627,6 +829,32 @@ class Compressor {
     for (std::size_t i = 0; i < workers; ++i) size_slab(w, max);
     return w.bytes();
   }
+
+  /// Device scratch bytes the exec::Cuda select needs for calls up to `max`.
+  std::size_t workspace_size(exec::Cuda, const Shape& max) const {
+    if (max.num_kv_heads <= 0 || max.head_dim <= 0 || max.seq_len <= 0) return 0;
+    const std::size_t r = static_cast<std::size_t>(rows_used(params_, max));
+    WorkspaceSizer w;
+    detail::size_cuda_scratch(w, static_cast<std::size_t>(max.num_kv_heads),
+                              static_cast<std::size_t>(max.seq_len),
+                              static_cast<std::size_t>(max.head_dim), r);
+    return w.bytes();
+  }
+
+  /// The CUDA twin of the dense select: keys, queries, keep and num_keep are device
+  /// memory on ex.stream, ws is device memory of workspace_size(ex, shape) bytes. Scalars
+  /// are checked on the host (a Status right away); non-finite scores are reported to
+  /// ex.status (kInvalidArgument, as the CPU twin) and then keep / num_keep are not
+  /// written. Never allocates or synchronises: the caller reads num_keep (or already
+  /// knows it: min(S, budget)) after synchronising. Defined in kernels/cuda/r1kv.cuh.
+  template <class T>
+  Status select(exec::Cuda ex, const T* keys,  // [Hkv, S, D] device
+                const T* queries,              // [Hq, Lq, D] device
+                const Shape& shape,
+                std::int32_t* keep,       // [Hkv, keep_stride] device
+                std::int32_t keep_stride,
+                std::int32_t* num_keep,   // [1] device
+                Workspace ws) const;
 
   /// Selects the kept slots of one sequence from dense buffers. keys: [Hkv, S, D];
   /// queries: [Hq, Lq, D] (the layer's last Lq <= window queries, current one last;
@@ -768,7 +996,7 @@ class Compressor {
         }
         if (Scorer::kUsesRedundancy) {
           detail::redundancy(hs.normed, s, dim, p.similarity_threshold, hs.near, hs.low, hs.reach,
-                             hs.early, hs.nsum, hs.red);
+                             hs.early, hs.nsum, hs.red, &hs.filter);
         } else {
           for (std::int32_t j = 0; j < s; ++j) hs.red[j] = 0.0;
         }

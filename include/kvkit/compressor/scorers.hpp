@@ -22,7 +22,8 @@ struct SnapKV {
   static constexpr const char* kName = "snapkv";
   static constexpr bool kUsesAttention = true;
   static constexpr bool kUsesRedundancy = false;
-  static double score(const Params&, double importance, double, std::int32_t, std::int32_t) {
+  KVKIT_HOST_DEVICE static double score(const Params&, double importance, double, std::int32_t,
+                                        std::int32_t) {
     return importance;
   }
 };
@@ -32,7 +33,8 @@ struct StreamingLLM {
   static constexpr const char* kName = "streaming";
   static constexpr bool kUsesAttention = false;
   static constexpr bool kUsesRedundancy = false;
-  static double score(const Params& p, double, double, std::int32_t j, std::int32_t s) {
+  KVKIT_HOST_DEVICE static double score(const Params& p, double, double, std::int32_t j,
+                                        std::int32_t s) {
     return j < p.sinks ? 2.0 : static_cast<double>(j) / s;
   }
 };

@@ -68,6 +68,7 @@ enum class DeviceCheck : std::int32_t {
   kKChannel,       // decode: k_channels[`head`, `pos`] = `value` outside [0, `bound`)
   kVChannel,       // decode: v_channels[`head`, `pos`] = `value` outside [0, `bound`)
   kScoresStride,   // decode: seq_len `value` of `seq` > scores_stride `bound`
+  kNonFiniteScore, // compressor: kv head `head` has a non-finite score at candidate `pos`
 };
 
 /// Device-side error word the CUDA kernels report bad device-resident input to. The
@@ -161,6 +162,9 @@ inline Status to_status(const DeviceStatus& s) {
                          " out of range [0, q_dim ", s.bound, ")");
     case DeviceCheck::kScoresStride:
       return make_status(code, "seq_len ", s.value, at_seq, " exceeds scores_stride ", s.bound);
+    case DeviceCheck::kNonFiniteScore:
+      return make_status(code, "compressor: kv head ", s.head,
+                         " has non-finite scores (NaN or inf in keys or queries)");
     case DeviceCheck::kNone: break;
   }
   return make_status(code, "device check ", s.check, " failed on value ", s.value);
