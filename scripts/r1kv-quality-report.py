@@ -139,14 +139,15 @@ def plan(a):
     if "smollm2" in work:
         for name, path, facts in smol_prompts(a.smol_prompts, a.cache):
             base = ["generate", "--model", gguf, "--prompt-file", path, "--chat"]
-            if facts and a.fact_max_tokens > 0:  # the full cache's own answer
-                runs.append(dict(workload="smollm2", prompt=name, policy="full", budget=0, facts=facts,
-                                 args=None, fact_args=base + ["--max-tokens", str(a.fact_max_tokens),
-                                                              "--json", "--threads", str(a.threads)]))
+            # The full cache's own answer (and the prompt's length in tokens).
+            runs.append(dict(workload="smollm2", prompt=name, policy="full", budget=0, facts=facts,
+                             args=None, fact_args=base + ["--max-tokens", str(max(1, a.fact_max_tokens)),
+                                                          "--json", "--threads", str(a.threads)]))
             for b in [int(x) for x in a.smol_budgets.split(",")]:
                 for pol in POLICIES:
                     pol_args = ["--policy", pol, "--budget", str(b), "--buffer", str(a.smol_buffer)]
                     r = dict(workload="smollm2", prompt=name, policy=pol, budget=b, facts=facts,
+                             need=b + a.smol_buffer, max_tokens=a.smol_max_tokens,
                              args=base + ["--max-tokens", str(a.smol_max_tokens)] + pol_args + common)
                     if facts and a.fact_max_tokens > 0:
                         r["fact_args"] = base + ["--max-tokens", str(a.fact_max_tokens)] + pol_args + [
@@ -155,8 +156,13 @@ def plan(a):
     return runs
 
 
-def execute(runner, r):
+def execute(runner, r, prompt_len=None):
     res = dict(r)
+    n = (prompt_len or {}).get((r["workload"], r["prompt"]))
+    if "need" in r and n is not None and n + r["max_tokens"] < r["need"]:
+        # The cache never reaches budget + buffer: the run is the full cache exactly.
+        res["skipped"] = "%d prompt + %d answer tokens < budget + buffer %d" % (n, r["max_tokens"], r["need"])
+        return res
     try:
         if r.get("args"):
             res["result"] = runner.run(r["args"])
@@ -166,6 +172,7 @@ def execute(runner, r):
             if text is None and d.get("sequences"):
                 text = d["sequences"][0].get("text", "")
             res["answer"] = text or ""
+            res["prompt_tokens"] = len(d.get("prompt_tokens") or [])
             res["fact_kept"] = all(f in res["answer"] for f in r["facts"])
     except Exception as e:  # keep going: a failed run is reported in the table
         res["error"] = str(e)
@@ -182,7 +189,8 @@ def summarize(results):
     for (w, pol, b), rs in groups.items():
         ok = [r for r in rs if "result" in r]
         row = dict(workload=w, policy=pol, budget=b, prompts=sorted({r["prompt"] for r in rs}),
-                   errors=[r["error"] for r in rs if "error" in r])
+                   errors=[r["error"] for r in rs if "error" in r],
+                   skipped=[r["skipped"] for r in rs if "skipped" in r])
         if ok:
             steps = [max(1, r["result"].get("compare_steps", 1)) for r in ok]
             tot = float(sum(steps))
@@ -215,6 +223,9 @@ def table(rows):
         if "top1_agreement" not in x:
             if x["policy"] == "full" and fact:
                 lines.append("| %s | - | full cache | %s | | | | | | | %s |" % (x["workload"], ", ".join(x["prompts"]), fact))
+            elif x["skipped"] and x["policy"] == "r1kv":
+                lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||" % (
+                    x["workload"], x["budget"], ", ".join(x["prompts"]), x["skipped"][0]))
             elif x["errors"]:
                 lines.append("| %s | %d | %s | %s | failed: %s |||||||" % (
                     x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"]),
@@ -276,7 +287,10 @@ def main():
     print("r1kv-quality-report: %d configurations, %d jobs at once" % (len(runs), a.jobs), file=sys.stderr)
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
-        results = list(ex.map(lambda r: execute(runner, r), runs))
+        first = [r for r in runs if r["policy"] == "full"]  # prompt lengths first
+        results = list(ex.map(lambda r: execute(runner, r), first))
+        lens = {(r["workload"], r["prompt"]): r["prompt_tokens"] for r in results if r.get("prompt_tokens")}
+        results += list(ex.map(lambda r: execute(runner, r, lens), [r for r in runs if r["policy"] != "full"]))
     rows = summarize(results)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
