@@ -51,7 +51,8 @@ def parse_args():
     ap.add_argument("--workloads", default="synthetic,stories260K,smollm2",
                     help="comma-separated subset of synthetic,stories260K,smollm2")
     ap.add_argument("--smol-prompts", default="report_770,code-sudoku",
-                    help="suite.json ids (first turn) or examples/prompts/<name>.txt, comma-separated")
+                    help="suite.json ids (first turn) or examples/prompts/<name>.txt, comma-separated; "
+                         "NAME:N answers N tokens instead of --smol-max-tokens")
     ap.add_argument("--smol-budgets", default="256,512,1024")
     ap.add_argument("--smol-buffer", type=int, default=128)
     ap.add_argument("--smol-max-tokens", type=int, default=256, help="answer tokens per run (issue: up to 1K)")
@@ -62,15 +63,18 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=1, help="--threads of each CLI run")
     ap.add_argument("--jobs", type=int, default=2, help="CLI runs at once")
     ap.add_argument("--cache", default="/tmp/kvkit-r1kv-quality", help="cached CLI results")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="run nothing: report the configurations whose results are in --cache")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "r1kv_quality"),
                     help="output prefix: PREFIX.md, PREFIX.svg, PREFIX.json")
     return ap.parse_args()
 
 
 class Runner:
-    def __init__(self, kvkit, cache):
+    def __init__(self, kvkit, cache, cached_only=False):
         self.kvkit = kvkit
         self.cache = cache
+        self.cached_only = cached_only
         os.makedirs(cache, exist_ok=True)
 
     def run(self, args):
@@ -79,6 +83,8 @@ class Runner:
         if os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
+        if self.cached_only:
+            raise RuntimeError("not run (--cached-only)")
         cmd = [self.kvkit] + args
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True)
@@ -95,12 +101,14 @@ class Runner:
 
 
 def smol_prompts(names, cache):
-    """(id, prompt file, expected strings) for each name."""
+    """(id, prompt file, expected strings, answer tokens or None) for each name[:tokens]."""
     with open(os.path.join(REPO, "examples", "prompts", "suite.json")) as f:
         suite = {p["id"]: p for p in json.load(f)["prompts"]}
     known_facts = {"report_770": ["2013"]}  # the reservoir question of report_770.txt
     out = []
-    for name in [n for n in names.split(",") if n]:
+    for item in [n for n in names.split(",") if n]:
+        name, _, tokens = item.partition(":")
+        tokens = int(tokens) if tokens else None
         if name in suite:
             text = suite[name]["turns"][0]
             facts = suite[name]["answer_contains"] if len(suite[name]["turns"]) == 1 else []
@@ -112,7 +120,7 @@ def smol_prompts(names, cache):
             if not os.path.exists(path):
                 sys.exit("r1kv-quality-report: no prompt '%s' (suite id or examples/prompts/*.txt)" % name)
             facts = known_facts.get(name, [])
-        out.append((name, path, facts))
+        out.append((name, path, facts, tokens))
     return out
 
 
@@ -137,7 +145,8 @@ def plan(a):
                                        str(a.stories_steps), "--policy", pol, "--budget", str(b),
                                        "--buffer", "32"] + common))
     if "smollm2" in work:
-        for name, path, facts in smol_prompts(a.smol_prompts, a.cache):
+        for name, path, facts, tokens in smol_prompts(a.smol_prompts, a.cache):
+            answer = tokens or a.smol_max_tokens
             base = ["generate", "--model", gguf, "--prompt-file", path, "--chat"]
             # The full cache's own answer (and the prompt's length in tokens).
             runs.append(dict(workload="smollm2", prompt=name, policy="full", budget=0, facts=facts,
@@ -147,8 +156,8 @@ def plan(a):
                 for pol in POLICIES:
                     pol_args = ["--policy", pol, "--budget", str(b), "--buffer", str(a.smol_buffer)]
                     r = dict(workload="smollm2", prompt=name, policy=pol, budget=b, facts=facts,
-                             need=b + a.smol_buffer, max_tokens=a.smol_max_tokens,
-                             args=base + ["--max-tokens", str(a.smol_max_tokens)] + pol_args + common)
+                             need=b + a.smol_buffer, max_tokens=answer,
+                             args=base + ["--max-tokens", str(answer)] + pol_args + common)
                     if facts and a.fact_max_tokens > 0:
                         r["fact_args"] = base + ["--max-tokens", str(a.fact_max_tokens)] + pol_args + [
                             "--json", "--threads", str(a.threads)]
@@ -181,12 +190,12 @@ def execute(runner, r, prompt_len=None):
 
 
 def summarize(results):
-    """One row per (workload, policy, budget): step-weighted agreement and KL over prompts."""
+    """One row per (workload, prompt, policy, budget)."""
     groups = {}
     for r in results:
-        groups.setdefault((r["workload"], r["policy"], r["budget"]), []).append(r)
+        groups.setdefault((r["workload"], r["prompt"], r["policy"], r["budget"]), []).append(r)
     rows = []
-    for (w, pol, b), rs in groups.items():
+    for (w, _, pol, b), rs in groups.items():
         ok = [r for r in rs if "result" in r]
         row = dict(workload=w, policy=pol, budget=b, prompts=sorted({r["prompt"] for r in rs}),
                    errors=[r["error"] for r in rs if "error" in r],
@@ -195,6 +204,7 @@ def summarize(results):
             steps = [max(1, r["result"].get("compare_steps", 1)) for r in ok]
             tot = float(sum(steps))
             row["steps"] = int(tot)
+            row["prompt_tokens"] = max(len(r["result"].get("prompt_tokens") or []) for r in ok)
             row["top1_agreement"] = sum(r["result"]["top1_agreement"] * s for r, s in zip(ok, steps)) / tot
             row["mean_kl"] = sum(r["result"]["mean_kl"] * s for r, s in zip(ok, steps)) / tot
             row["max_kl"] = max(r["result"]["max_kl"] for r in ok)
@@ -211,12 +221,12 @@ def summarize(results):
         rows.append(row)
     order = {"smollm2": 0, "stories260K": 1, "synthetic": 2}
     pol_order = {"full": -1, "r1kv": 0, "snapkv": 1, "streaming": 2}
-    rows.sort(key=lambda x: (order.get(x["workload"], 9), x["budget"], pol_order.get(x["policy"], 9)))
+    rows.sort(key=lambda x: (order.get(x["workload"], 9), x["prompts"], x["budget"], pol_order.get(x["policy"], 9)))
     return rows
 
 
 def table(rows):
-    lines = ["| workload | budget | policy | prompts | steps | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | max KL | fact in greedy answer |",
+    lines = ["| workload | budget | policy | prompt (tokens) | compared steps | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | max KL | fact in greedy answer |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for x in rows:
         fact = "%d/%d" % (x["facts_kept"], x["facts_total"]) if "facts_total" in x else ""
@@ -226,13 +236,19 @@ def table(rows):
             elif x["skipped"] and x["policy"] == "r1kv":
                 lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||" % (
                     x["workload"], x["budget"], ", ".join(x["prompts"]), x["skipped"][0]))
+            elif x["errors"] and all("--cached-only" in e for e in x["errors"]):
+                lines.append("| %s | %d | %s | %s | not run in time |||||||" % (
+                    x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"])))
             elif x["errors"]:
                 lines.append("| %s | %d | %s | %s | failed: %s |||||||" % (
                     x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"]),
                     x["errors"][0].splitlines()[0][:120]))
             continue
+        name = ", ".join(x["prompts"])
+        if x["workload"] == "smollm2":
+            name += " (%d)" % x["prompt_tokens"]
         lines.append("| %s | %d | %s | %s | %d | %d | %.1f %% | %.4f | %.4f | %.3f | %s |" % (
-            x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"]), x["steps"],
+            x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"],
             x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], x["max_kl"], fact))
     return "\n".join(lines)
 
@@ -282,7 +298,7 @@ def main():
     a = parse_args()
     if not os.path.exists(a.kvkit):
         sys.exit("r1kv-quality-report: no kvkit binary at %s (--kvkit)" % a.kvkit)
-    runner = Runner(os.path.abspath(a.kvkit), a.cache)
+    runner = Runner(os.path.abspath(a.kvkit), a.cache, a.cached_only)
     runs = plan(a)
     print("r1kv-quality-report: %d configurations, %d jobs at once" % (len(runs), a.jobs), file=sys.stderr)
     t0 = time.time()
