@@ -268,18 +268,24 @@ def plot(rows, path):
         return False
     fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 7), squeeze=False)
     style = {"r1kv": ("o", "tab:red"), "snapkv": ("s", "tab:blue"), "streaming": ("^", "tab:green")}
+    dashes = ["-", "--", ":", "-."]
     for c, w in enumerate(workloads):
+        prompts = sorted({r["prompts"][0] for r in rows if r["workload"] == w and "kv_saved" in r})
         for pol in POLICIES:
-            pts = sorted((r["kv_saved"] * 100, r["top1_agreement"], max(r["mean_kl"], 1e-6), r["budget"])
-                         for r in rows if r["workload"] == w and r["policy"] == pol and "kv_saved" in r)
-            if not pts:
-                continue
             m, col = style[pol]
-            xs = [p[0] for p in pts]
-            axes[0][c].plot(xs, [p[1] for p in pts], marker=m, color=col, label=LABELS[pol])
-            axes[1][c].plot(xs, [p[2] for p in pts], marker=m, color=col, label=LABELS[pol])
-            for p in pts:
-                axes[0][c].annotate(str(p[3]), (p[0], p[1]), textcoords="offset points", xytext=(3, 3), fontsize=7)
+            for k, pr in enumerate(prompts):  # one line per (policy, prompt)
+                pts = sorted((r["kv_saved"] * 100, r["top1_agreement"], max(r["mean_kl"], 1e-6), r["budget"])
+                             for r in rows if r["workload"] == w and r["policy"] == pol and "kv_saved" in r
+                             and r["prompts"][0] == pr)
+                if not pts:
+                    continue
+                label = LABELS[pol] + ("" if len(prompts) == 1 else " " + pr)
+                xs = [p[0] for p in pts]
+                ls = dashes[k % len(dashes)]
+                axes[0][c].plot(xs, [p[1] for p in pts], marker=m, color=col, linestyle=ls, label=label)
+                axes[1][c].plot(xs, [p[2] for p in pts], marker=m, color=col, linestyle=ls, label=label)
+                for p in pts:
+                    axes[0][c].annotate(str(p[3]), (p[0], p[1]), textcoords="offset points", xytext=(3, 3), fontsize=7)
         axes[0][c].set_title(w)
         axes[0][c].set_ylabel("top-1 agreement with the full cache")
         axes[1][c].set_ylabel("mean KL (nats, log)")
@@ -287,10 +293,10 @@ def plot(rows, path):
         for r in (0, 1):
             axes[r][c].set_xlabel("KV bytes saved at the end (%)")
             axes[r][c].grid(True, alpha=0.3)
-        axes[0][c].legend(fontsize=8)
+        axes[0][c].legend(fontsize=6 if len(prompts) > 1 else 8)
     fig.suptitle("Compressor policies at equal budgets (labels: budget)")
     fig.tight_layout()
-    fig.savefig(path, format="svg", metadata={"Date": None})
+    fig.savefig(path, metadata={"Date": None} if path.endswith(".svg") else None)
     return True
 
 
