@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates the Python virtual environment for kvkit's tooling: llama-cpp-python (the
-# reference the tokenizer fixtures and llama.cpp comparisons are recorded with) and numpy.
+# reference the tokenizer fixtures and llama.cpp comparisons are recorded with), numpy and
+# matplotlib (the plots of scripts/r1kv-quality-report.py).
 # Only scripts under scripts/ use it; building and testing kvkit never need Python.
 #
 #   scripts/setup-venv.sh [VENV_DIR]      # default: ../kvkit-venv (next to the repository)
@@ -18,6 +19,7 @@ llama_version=0.3.36
 if [[ -x "$venv/bin/python" ]] &&
    "$venv/bin/python" -c "import llama_cpp, numpy, sys; sys.exit(llama_cpp.__version__ != '$llama_version')" 2>/dev/null; then
   echo "setup-venv: $venv already has llama-cpp-python $llama_version and numpy"
+  "$venv/bin/python" -c "import matplotlib" 2>/dev/null || "$venv/bin/python" -m pip install matplotlib
   exit 0
 fi
 
@@ -25,5 +27,5 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --upgrade pip
 echo "setup-venv: building llama-cpp-python $llama_version from source (about 20 minutes)..."
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-  "$venv/bin/python" -m pip install "llama-cpp-python==$llama_version" numpy
+  "$venv/bin/python" -m pip install "llama-cpp-python==$llama_version" numpy matplotlib
 "$venv/bin/python" -c "import llama_cpp; print('setup-venv: llama-cpp-python', llama_cpp.__version__, 'in $venv')"

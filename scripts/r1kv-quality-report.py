@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""Quality of the Compressor policies (R1KV, SnapKV, StreamingLLM) at equal budgets.
+
+Runs `kvkit generate --policy P --budget B --buffer U --compare-full --json` (the policy
+engine teacher-forced with the full-cache engine's greedy tokens, logits compared every
+step) on three workloads and writes a markdown table (KV bytes saved vs top-1 agreement
+and mean KL) and an SVG plot:
+
+  smollm2     SmolLM2-135M-Instruct (GGUF), ChatML prompts: long-document questions and
+              code prompts of examples/prompts/suite.json, or text files; budgets
+              256/512/1024, buffer 128, --max-tokens N answers. For prompts with an
+              expected fact (answer_contains), a second run without --compare-full lets
+              the policy decode greedily on its own and checks the fact is in the answer.
+  stories260K the llama2.c stories260K checkpoint, BOS prompt, 500 steps, budgets
+              64/128/256, buffer 32.
+  synthetic   the CLI's deterministic synthetic model (random weights, stories260K shape),
+              511 steps (its seq_len is 512), budgets 32/64/128, buffer 32.
+
+KV bytes saved = 1 - kv_bytes_final / full_kv_bytes_final (pages held at the end of the
+run, policy engine vs full-cache engine). Every CLI result is cached under --cache (one
+JSON per command line), so an interrupted report resumes where it stopped.
+
+  /work/kvkit-venv/bin/python scripts/r1kv-quality-report.py --kvkit build/examples/kvkit \\
+      [--smol-prompts doc-1,report_770,code-sudoku] [--smol-max-tokens 256] [--jobs 2]
+
+Needs matplotlib (scripts/setup-venv.sh installs it) for the plot; the table is written
+without it.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POLICIES = ["r1kv", "snapkv", "streaming"]
+LABELS = {"r1kv": "R1KV", "snapkv": "SnapKV", "streaming": "StreamingLLM", "full": "full cache"}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kvkit", default=os.path.join(REPO, "build", "examples", "kvkit"),
+                    help="the kvkit CLI binary")
+    ap.add_argument("--models", default=os.path.join(REPO, "..", "shared", "models"),
+                    help="folder with stories260K.bin and SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--workloads", default="synthetic,stories260K,smollm2",
+                    help="comma-separated subset of synthetic,stories260K,smollm2")
+    ap.add_argument("--smol-prompts", default="report_770,code-sudoku",
+                    help="suite.json ids (first turn) or examples/prompts/<name>.txt, comma-separated; "
+                         "NAME:N answers N tokens instead of --smol-max-tokens")
+    ap.add_argument("--smol-budgets", default="256,512,1024")
+    ap.add_argument("--smol-buffer", type=int, default=128)
+    ap.add_argument("--smol-max-tokens", type=int, default=256, help="answer tokens per run (issue: up to 1K)")
+    ap.add_argument("--fact-max-tokens", type=int, default=48,
+                    help="tokens of the free-running answer checked for the expected fact (0: skip)")
+    ap.add_argument("--stories-steps", type=int, default=500)
+    ap.add_argument("--synthetic-steps", type=int, default=511)
+    ap.add_argument("--threads", type=int, default=1, help="--threads of each CLI run")
+    ap.add_argument("--jobs", type=int, default=2, help="CLI runs at once")
+    ap.add_argument("--cache", default="/tmp/kvkit-r1kv-quality", help="cached CLI results")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="run nothing: report the configurations whose results are in --cache")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "r1kv_quality"),
+                    help="output prefix: PREFIX.md, PREFIX.svg, PREFIX.json")
+    return ap.parse_args()
+
+
+class Runner:
+    def __init__(self, kvkit, cache, cached_only=False):
+        self.kvkit = kvkit
+        self.cache = cache
+        self.cached_only = cached_only
+        os.makedirs(cache, exist_ok=True)
+
+    def run(self, args):
+        key = hashlib.sha1(json.dumps(args).encode()).hexdigest()[:20]
+        path = os.path.join(self.cache, key + ".json")
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        if self.cached_only:
+            raise RuntimeError("not run (--cached-only)")
+        cmd = [self.kvkit] + args
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.time() - t0
+        if p.returncode != 0:
+            raise RuntimeError("failed (exit %d): %s\n%s" % (p.returncode, shlex.join(cmd), p.stderr[-2000:]))
+        d = json.loads(p.stdout)
+        d["_command"] = shlex.join(["kvkit"] + args)
+        d["_wall_s"] = wall
+        with open(path, "w") as f:
+            json.dump(d, f)
+        print("  %6.1f s  %s" % (wall, d["_command"]), file=sys.stderr, flush=True)
+        return d
+
+
+def smol_prompts(names, cache):
+    """(id, prompt file, expected strings, answer tokens or None) for each name[:tokens]."""
+    with open(os.path.join(REPO, "examples", "prompts", "suite.json")) as f:
+        suite = {p["id"]: p for p in json.load(f)["prompts"]}
+    known_facts = {"report_770": ["2013"]}  # the reservoir question of report_770.txt
+    out = []
+    for item in [n for n in names.split(",") if n]:
+        name, _, tokens = item.partition(":")
+        tokens = int(tokens) if tokens else None
+        if name in suite:
+            text = suite[name]["turns"][0]
+            facts = suite[name]["answer_contains"] if len(suite[name]["turns"]) == 1 else []
+            path = os.path.join(cache, "prompt-%s.txt" % name)
+            with open(path, "w") as f:
+                f.write(text)
+        else:
+            path = os.path.join(REPO, "examples", "prompts", name + ".txt")
+            if not os.path.exists(path):
+                sys.exit("r1kv-quality-report: no prompt '%s' (suite id or examples/prompts/*.txt)" % name)
+            facts = known_facts.get(name, [])
+        out.append((name, path, facts, tokens))
+    return out
+
+
+def plan(a):
+    """Every run: dict(workload, prompt, policy, budget, args, fact_args, facts)."""
+    runs = []
+    stories = os.path.join(a.models, "stories260K.bin")
+    gguf = os.path.join(a.models, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    work = a.workloads.split(",")
+    common = ["--compare-full", "--json", "--threads", str(a.threads)]
+    if "synthetic" in work:
+        for b in (32, 64, 128):
+            for pol in POLICIES:
+                runs.append(dict(workload="synthetic", prompt="BOS", policy=pol, budget=b, facts=[],
+                                 args=["generate", "--prompt", "1", "--steps", str(a.synthetic_steps),
+                                       "--policy", pol, "--budget", str(b), "--buffer", "32"] + common))
+    if "stories260K" in work:
+        for b in (64, 128, 256):
+            for pol in POLICIES:
+                runs.append(dict(workload="stories260K", prompt="BOS", policy=pol, budget=b, facts=[],
+                                 args=["generate", "--model", stories, "--prompt", "1", "--steps",
+                                       str(a.stories_steps), "--policy", pol, "--budget", str(b),
+                                       "--buffer", "32"] + common))
+    if "smollm2" in work:
+        for name, path, facts, tokens in smol_prompts(a.smol_prompts, a.cache):
+            answer = tokens or a.smol_max_tokens
+            base = ["generate", "--model", gguf, "--prompt-file", path, "--chat"]
+            # The full cache's own answer (and the prompt's length in tokens).
+            runs.append(dict(workload="smollm2", prompt=name, policy="full", budget=0, facts=facts,
+                             args=None, fact_args=base + ["--max-tokens", str(max(1, a.fact_max_tokens)),
+                                                          "--json", "--threads", str(a.threads)]))
+            for b in [int(x) for x in a.smol_budgets.split(",")]:
+                for pol in POLICIES:
+                    pol_args = ["--policy", pol, "--budget", str(b), "--buffer", str(a.smol_buffer)]
+                    r = dict(workload="smollm2", prompt=name, policy=pol, budget=b, facts=facts,
+                             need=b + a.smol_buffer, max_tokens=answer,
+                             args=base + ["--max-tokens", str(answer)] + pol_args + common)
+                    if facts and a.fact_max_tokens > 0:
+                        r["fact_args"] = base + ["--max-tokens", str(a.fact_max_tokens)] + pol_args + [
+                            "--json", "--threads", str(a.threads)]
+                    runs.append(r)
+    return runs
+
+
+def execute(runner, r, prompt_len=None):
+    res = dict(r)
+    n = (prompt_len or {}).get((r["workload"], r["prompt"]))
+    if "need" in r and n is not None and n + r["max_tokens"] < r["need"]:
+        # The cache never reaches budget + buffer: the run is the full cache exactly.
+        res["skipped"] = "%d prompt + %d answer tokens < budget + buffer %d" % (n, r["max_tokens"], r["need"])
+        return res
+    try:
+        if r.get("args"):
+            res["result"] = runner.run(r["args"])
+        if r.get("fact_args"):
+            d = runner.run(r["fact_args"])
+            text = d.get("text")
+            if text is None and d.get("sequences"):
+                text = d["sequences"][0].get("text", "")
+            res["answer"] = text or ""
+            res["prompt_tokens"] = len(d.get("prompt_tokens") or [])
+            res["fact_kept"] = all(f in res["answer"] for f in r["facts"])
+    except Exception as e:  # keep going: a failed run is reported in the table
+        res["error"] = str(e)
+        print("r1kv-quality-report: " + str(e), file=sys.stderr, flush=True)
+    return res
+
+
+def summarize(results):
+    """One row per (workload, prompt, policy, budget)."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["workload"], r["prompt"], r["policy"], r["budget"]), []).append(r)
+    rows = []
+    for (w, _, pol, b), rs in groups.items():
+        ok = [r for r in rs if "result" in r]
+        row = dict(workload=w, policy=pol, budget=b, prompts=sorted({r["prompt"] for r in rs}),
+                   errors=[r["error"] for r in rs if "error" in r],
+                   skipped=[r["skipped"] for r in rs if "skipped" in r])
+        if ok:
+            steps = [max(1, r["result"].get("compare_steps", 1)) for r in ok]
+            tot = float(sum(steps))
+            row["steps"] = int(tot)
+            row["prompt_tokens"] = max(len(r["result"].get("prompt_tokens") or []) for r in ok)
+            row["top1_agreement"] = sum(r["result"]["top1_agreement"] * s for r, s in zip(ok, steps)) / tot
+            row["mean_kl"] = sum(r["result"]["mean_kl"] * s for r, s in zip(ok, steps)) / tot
+            row["max_kl"] = max(r["result"]["max_kl"] for r in ok)
+            row["kv_saved"] = sum(1.0 - r["result"]["kv_bytes_final"] / r["result"]["full_kv_bytes_final"]
+                                  for r in ok) / len(ok)
+            row["kv_bytes_final"] = sum(r["result"]["kv_bytes_final"] for r in ok)
+            row["full_kv_bytes_final"] = sum(r["result"]["full_kv_bytes_final"] for r in ok)
+            row["compressions"] = sum(r["result"].get("compressions", 0) for r in ok)
+            row["pages_freed"] = sum(r["result"].get("pages_freed", 0) for r in ok)
+        facts = [r for r in rs if "fact_kept" in r]
+        if facts:
+            row["facts_kept"] = sum(1 for r in facts if r["fact_kept"])
+            row["facts_total"] = len(facts)
+        rows.append(row)
+    order = {"smollm2": 0, "stories260K": 1, "synthetic": 2}
+    pol_order = {"full": -1, "r1kv": 0, "snapkv": 1, "streaming": 2}
+    rows.sort(key=lambda x: (order.get(x["workload"], 9), x["prompts"], x["budget"], pol_order.get(x["policy"], 9)))
+    return rows
+
+
+def table(rows):
+    lines = ["| workload | budget | policy | prompt (tokens) | compared steps | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | max KL | fact in greedy answer |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for x in rows:
+        fact = "%d/%d" % (x["facts_kept"], x["facts_total"]) if "facts_total" in x else ""
+        if "top1_agreement" not in x:
+            if x["policy"] == "full" and fact:
+                lines.append("| %s | - | full cache | %s | | | | | | | %s |" % (x["workload"], ", ".join(x["prompts"]), fact))
+            elif x["skipped"] and x["policy"] == "r1kv":
+                lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||" % (
+                    x["workload"], x["budget"], ", ".join(x["prompts"]), x["skipped"][0]))
+            elif x["errors"] and all("--cached-only" in e for e in x["errors"]):
+                lines.append("| %s | %d | %s | %s | not run in time |||||||" % (
+                    x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"])))
+            elif x["errors"]:
+                lines.append("| %s | %d | %s | %s | failed: %s |||||||" % (
+                    x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"]),
+                    x["errors"][0].splitlines()[0][:120]))
+            continue
+        name = ", ".join(x["prompts"])
+        if x["workload"] == "smollm2":
+            name += " (%d)" % x["prompt_tokens"]
+        lines.append("| %s | %d | %s | %s | %d | %d | %.1f %% | %.4f | %.4f | %.3f | %s |" % (
+            x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"],
+            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], x["max_kl"], fact))
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("r1kv-quality-report: no matplotlib, no plot (scripts/setup-venv.sh installs it)", file=sys.stderr)
+        return False
+    matplotlib.rcParams["svg.hashsalt"] = "kvkit"  # stable ids: the SVG diffs cleanly
+    matplotlib.rcParams["svg.fonttype"] = "none"
+    workloads = [w for w in ("smollm2", "stories260K", "synthetic") if any(r["workload"] == w and "kv_saved" in r for r in rows)]
+    if not workloads:
+        return False
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 7), squeeze=False)
+    style = {"r1kv": ("o", "tab:red"), "snapkv": ("s", "tab:blue"), "streaming": ("^", "tab:green")}
+    dashes = ["-", "--", ":", "-."]
+    for c, w in enumerate(workloads):
+        prompts = sorted({r["prompts"][0] for r in rows if r["workload"] == w and "kv_saved" in r})
+        for pol in POLICIES:
+            m, col = style[pol]
+            for k, pr in enumerate(prompts):  # one line per (policy, prompt)
+                pts = sorted((r["kv_saved"] * 100, r["top1_agreement"], max(r["mean_kl"], 1e-6), r["budget"])
+                             for r in rows if r["workload"] == w and r["policy"] == pol and "kv_saved" in r
+                             and r["prompts"][0] == pr)
+                if not pts:
+                    continue
+                label = LABELS[pol] + ("" if len(prompts) == 1 else " " + pr)
+                xs = [p[0] for p in pts]
+                ls = dashes[k % len(dashes)]
+                axes[0][c].plot(xs, [p[1] for p in pts], marker=m, color=col, linestyle=ls, label=label)
+                axes[1][c].plot(xs, [p[2] for p in pts], marker=m, color=col, linestyle=ls, label=label)
+                for p in pts:
+                    axes[0][c].annotate(str(p[3]), (p[0], p[1]), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        axes[0][c].set_title(w)
+        axes[0][c].set_ylabel("top-1 agreement with the full cache")
+        axes[1][c].set_ylabel("mean KL (nats, log)")
+        axes[1][c].set_yscale("log")
+        for r in (0, 1):
+            axes[r][c].set_xlabel("KV bytes saved at the end (%)")
+            axes[r][c].grid(True, alpha=0.3)
+        axes[0][c].legend(fontsize=6 if len(prompts) > 1 else 8)
+    fig.suptitle("Compressor policies at equal budgets (labels: budget)")
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Date": None} if path.endswith(".svg") else None)
+    return True
+
+
+def main():
+    a = parse_args()
+    if not os.path.exists(a.kvkit):
+        sys.exit("r1kv-quality-report: no kvkit binary at %s (--kvkit)" % a.kvkit)
+    runner = Runner(os.path.abspath(a.kvkit), a.cache, a.cached_only)
+    runs = plan(a)
+    print("r1kv-quality-report: %d configurations, %d jobs at once" % (len(runs), a.jobs), file=sys.stderr)
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
+        first = [r for r in runs if r["policy"] == "full"]  # prompt lengths first
+        results = list(ex.map(lambda r: execute(runner, r), first))
+        lens = {(r["workload"], r["prompt"]): r["prompt_tokens"] for r in results if r.get("prompt_tokens")}
+        results += list(ex.map(lambda r: execute(runner, r, lens), [r for r in runs if r["policy"] != "full"]))
+    rows = summarize(results)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"rows": rows, "runs": [{k: v for k, v in r.items() if k != "result"} |
+                                          ({"result": {k: v for k, v in r["result"].items()
+                                                       if k not in ("tokens", "prompt_tokens", "sequences")}}
+                                           if "result" in r else {})
+                                          for r in results]}, f, indent=1)
+    have_plot = plot(rows, a.out + ".svg")
+    cmd = "scripts/r1kv-quality-report.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    md = ["# Compressor policies: quality at equal budgets", "",
+          "Produced by `%s` (%.0f s, CLI runs cached in %s). Each run: `kvkit generate --policy P "
+          "--budget B --buffer U --compare-full --json` (teacher-forced against the full cache); "
+          "example: `%s`." % (cmd, time.time() - t0, a.cache,
+                             next((r["result"]["_command"] for r in results if "result" in r), "")),
+          "", "SmolLM2: answers of %d tokens, buffer %d; the fact column is the policy's own greedy "
+          "answer (%d tokens, no teacher forcing) containing the expected string. stories260K: %d "
+          "steps, buffer 32. synthetic: %d steps, buffer 32." % (
+              a.smol_max_tokens, a.smol_buffer, a.fact_max_tokens, a.stories_steps, a.synthetic_steps),
+          "", table(rows), ""]
+    if have_plot:
+        md += ["![KV bytes saved vs fidelity](%s)" % os.path.basename(a.out + ".svg"), ""]
+    with open(a.out + ".md", "w") as f:
+        f.write("\n".join(md))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

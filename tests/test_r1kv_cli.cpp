@@ -1,0 +1,139 @@
+// `kvkit generate --policy r1kv|snapkv|streaming --budget B --buffer U [--compare-full]`
+// (examples/cli/policy_r1kv.hpp): run the built binary (KVKIT_CLI_PATH) and check the
+// JSON: the policy's counters (compressions, pages_freed, tokens_dropped) where the
+// cadence makes them exact, the fidelity fields, and the usage errors.
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
+const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+struct CliResult {
+  int code = -1;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+CliResult run_cli(const std::string& args) {
+  static int counter = 0;
+  const fs::path dir = fs::temp_directory_path() /
+                       ("kvkit_test_r1kv_cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  fs::create_directories(dir);
+  const std::string cmd = std::string("'") + KVKIT_CLI_PATH + "' " + args + " >'" + (dir / "out").string() +
+                          "' 2>'" + (dir / "err").string() + "'";
+  const int status = std::system(cmd.c_str());
+  CliResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(dir / "out");
+  r.err = slurp(dir / "err");
+  fs::remove_all(dir);
+  return r;
+}
+
+Json run_json(const std::string& args) {
+  const CliResult r = run_cli(args);
+  INFO("kvkit " << args << "\nstderr: " << r.err);
+  REQUIRE(r.code == 0);
+  return Json::parse(r.out);
+}
+
+// stories260K when present, else the CLI's synthetic model (same shape).
+std::string model_arg() {
+  if (fs::exists(kModelPath)) return "--model '" + kModelPath + "' ";
+  WARN("no model file " << kModelPath << ": using the synthetic model");
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("kvkit generate --policy r1kv --compare-full: counters and fidelity in the JSON", "[cli][r1kv]") {
+  // 120 steps, budget 64 + buffer 32: one compression at 96 cached tokens (6 pages -> 4),
+  // then 24 more steps: 88 cached (6 pages) against the full cache's 120 (8 pages).
+  for (const char* pol : {"r1kv", "snapkv", "streaming"}) {
+    CAPTURE(pol);
+    const Json j = run_json("generate " + model_arg() + "--prompt 1 --steps 120 --policy " + pol +
+                            " --budget 64 --buffer 32 --compare-full --json");
+    CHECK(j.at("policy") == pol);
+    CHECK(j.at("compressions") == 1);
+    CHECK(j.at("pages_freed") == 2);
+    CHECK(j.at("tokens_dropped") == 32);
+    CHECK(j.at("pages_in_use") == 6);
+    CHECK(j.at("kv_bytes_final").get<double>() == 0.75 * j.at("full_kv_bytes_final").get<double>());
+    CHECK(j.at("compare_full") == true);
+    CHECK(j.at("compare_steps") == 120);  // every step (the prompt is one token)
+    const double agree = j.at("top1_agreement"), mean_kl = j.at("mean_kl"), max_kl = j.at("max_kl");
+    CHECK(agree > 0.5);  // the 96 steps before the compression agree exactly
+    CHECK(agree <= 1.0);
+    CHECK(mean_kl >= 0.0);
+    CHECK(max_kl >= mean_kl);
+  }
+}
+
+TEST_CASE("kvkit generate --policy r1kv: a budget never reached is the full cache exactly", "[cli][r1kv]") {
+  const Json j = run_json("generate " + model_arg() +
+                          "--prompt '1 5 9' --prompt '1 7' --steps 100 --policy r1kv --budget 90 --buffer 16 "
+                          "--window 4 --kernel 3 --lambda 0.5 --compare-full --json");
+  CHECK(j.at("compressions") == 0);
+  CHECK(j.at("top1_agreement") == 1.0);
+  CHECK(j.at("mean_kl") == 0.0);
+  CHECK(j.at("max_kl") == 0.0);
+  CHECK(j.at("kv_bytes_final") == j.at("full_kv_bytes_final"));
+}
+
+TEST_CASE("kvkit generate --policy r1kv: usage errors name the value", "[cli][r1kv]") {
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : {Case{"--budget 64", "--budget needs --policy r1kv|snapkv|streaming"},
+                        Case{"--policy snapkv --lambda 0.5 --buffer 3", "needs --budget B"},
+                        Case{"--policy r1kv", "--policy r1kv needs --budget B"},
+                        Case{"--policy r1kv --budget 8", "budget must be > window (8), got 8"},
+                        Case{"--policy r1kv --budget 32 --kernel 4", "kernel must be odd and >= 1, got 4"},
+                        Case{"--policy r1kv --budget 32 --lambda 1.5", "lambda must be in [0, 1], got 1.5"},
+                        Case{"--policy streaming --budget 32 --buffer -1", "buffer must be >= 0, got -1"},
+                        Case{"--policy r1kv --budget 600", "budget 600 must be below the model's seq_len 512"}}) {
+    CAPTURE(c.args);
+    const CliResult r = run_cli("generate --steps 8 " + c.args + " --json");
+    CHECK(r.code != 0);
+    CHECK_THAT(r.err, Catch::Contains(c.message));
+  }
+}
+
+TEST_CASE("kvkit generate --policy r1kv on SmolLM2: prefilled prompt compressed", "[cli][r1kv][smollm2]") {
+  if (!fs::exists(kSmolPath)) {
+    WARN("skipped: no model file " << kSmolPath);
+    return;
+  }
+  // The ~35-token chat prompt is prefilled (the policy sees no prompt queries), so the
+  // first compression waits for a full window of 8 decode steps.
+  const Json j = run_json("generate --model '" + kSmolPath +
+                          "' --chat --prompt 'Write a Python function that reverses a string.' --max-tokens 16 "
+                          "--policy r1kv --budget 24 --buffer 8 --compare-full --json");
+  CHECK(j.at("compressions").get<int>() >= 1);
+  CHECK(j.at("deferred_steps").get<int>() >= 1);
+  CHECK(j.at("pages_freed").get<int>() >= 1);
+  CHECK(j.at("compare_steps") == 16);
+  CHECK(j.at("top1_agreement").get<double>() > 0.0);
+  CHECK(j.at("kv_bytes_final").get<double>() < j.at("full_kv_bytes_final").get<double>());
+}
