@@ -52,11 +52,20 @@ inline PolicyEntry none_policy_entry() {
   return e;
 }
 
+}  // namespace cli
+}  // namespace kvkit
+
+#include "cli/policy_eps.hpp"  // after PolicyEntry: the family headers use it
+
+namespace kvkit {
+namespace cli {
+
 /// Every policy family the CLI knows, in --help order.
 inline std::vector<PolicyEntry> all_policies() {
   std::vector<PolicyEntry> v;
   v.push_back(none_policy_entry());
   // One line per family (with its #include above), e.g. v.push_back(r1kv_policy_entry());
+  v.push_back(eps_policy_entry());
   return v;
 }
 
