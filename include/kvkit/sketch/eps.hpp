@@ -311,9 +311,16 @@ class SketchStore {
           fresh = true;
         } else {
           const std::size_t base = rec(layer, r) * g;
-          bool same = rec_count_[rec(layer, r)] <= ntok;
+          const std::int32_t have = rec_count_[rec(layer, r)];
+          bool same = have <= ntok;
           for (std::int32_t i = 0; i < g && same; ++i) {
             const std::int32_t want = i < gp ? view.page_id(b, j0 + i) : -1;
+            if (rec_pages_[base + i] < 0 && want >= 0 && have <= i * page_size_) {
+              // The group grew by a page since it was summarised: adopt it (appends only).
+              rec_pages_[base + i] = want;
+              rec_versions_[base + i] = version_[static_cast<std::size_t>(want)];
+              continue;
+            }
             same = rec_pages_[base + i] == want &&
                    (want < 0 || rec_versions_[base + i] == version_[static_cast<std::size_t>(want)]);
           }
