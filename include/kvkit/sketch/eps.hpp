@@ -8,16 +8,19 @@
 //   box      min_d, max_d per channel                         8d bytes
 //   scalars  Σ‖k‖², max‖k‖                                     8 bytes
 //   JL       G = Σ y yᵀ, y = Φᵀk, Φ ∈ {±1}^{d×m} per kv head     4m² bytes (seed §7, §17)
-//   FD       Frequent Directions rows B (ℓ×d) and the shrinkage Δ = Σδ, so that
-//            BᵀB ≼ KᵀK ≼ BᵀB + Δ·I (Liberty 2013; each shrink by the
-//            median σ² frees half the rows)                     4ℓd + 4 bytes
-//   1-PC     u₁ (int8 + scale), λ₁, residual r² = Σ‖k‖² − λ₁, from FD's top direction
+//   FD       centre c (the group's first key), Frequent Directions rows B (ℓ×d) of the
+//            centred keys K_c = K − 1cᵀ and the shrinkage Δ = Σδ, so that
+//            BᵀB ≼ K_cᵀK_c ≼ BᵀB + Δ·I (Liberty 2013; each shrink by the
+//            median σ² frees half the rows)                     4ℓd + 4d + 12 bytes
+//   1-PC     u₁ (int8 + scale), λ₁, residual r² = Σ‖k−c‖² − λ₁, from FD's top direction
 //                                                                d + 12 bytes
 // Bounds on the largest logit max_i q·k_i of a group:
 //   certified: box  Σ_d max(q_d·min_d, q_d·max_d);  norm ‖q‖·max‖k‖;
-//              FD   sqrt(‖Bq‖² + Δ‖q‖²) ≥ ‖Kq‖₂ ≥ max_i |q·k_i|   (Cauchy–Schwarz, exact)
-//   estimates: JL   sqrt(zᵀGz)/m with z = Φᵀq  (≈ ‖Kq‖₂, biased upward by ~‖K‖_F‖q‖/√m)
-//              1-PC sqrt(λ₁)|u₁·q| + r‖q‖
+//              FD   q·c + sqrt(‖Bq‖² + Δ‖q‖²) ≥ q·c + ‖K_c q‖₂ ≥ max_i q·k_i
+//                   (Cauchy–Schwarz on the centred keys, exact)
+//   estimates: JL   sqrt(zᵀGz)/m with z = Φᵀq  (≈ ‖Kq‖₂ ≥ max|q·k|, the seed's bound,
+//                   biased upward by ~‖K‖_F‖q‖/√m)
+//              1-PC q·c + sqrt(λ₁)|u₁·q| + r‖q‖
 // A lower bound on every logit is the box's Σ_d min(q_d·min_d, q_d·max_d).
 //
 // Pre-pass, per (sequence b, query head): the last `last_n` groups (and any group without a
@@ -124,7 +127,7 @@ inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::in
   b.box = 8LL * head_dim;
   b.scalars = 8;
   b.jl = 4LL * m * m;
-  b.fd = 4LL * l * head_dim + 4;
+  b.fd = 4LL * l * head_dim + 4LL * head_dim + 12;  // rows, centre, Δ, Σ‖k-c‖², rows used
   b.one_pc = head_dim + 12;
   return b;
 }
@@ -204,8 +207,8 @@ class SketchStore {
  public:
   /// Offsets (in floats) of one head's summary inside a record.
   struct Layout {
-    std::int32_t box_min = 0, box_max = 0, jl = 0, fd = 0, sumsq = 0, maxnorm = 0, delta = 0,
-                 fd_used = 0, lambda1 = 0, resid = 0, u1_scale = 0, floats = 0;
+    std::int32_t box_min = 0, box_max = 0, jl = 0, fd = 0, center = 0, sumsq = 0, maxnorm = 0, delta = 0,
+                 fd_used = 0, csumsq = 0, lambda1 = 0, resid = 0, u1_scale = 0, floats = 0;
   };
 
   SketchStore(const SketchParams& p, std::int32_t num_layers, std::int32_t num_kv_heads,
@@ -231,7 +234,8 @@ class SketchStore {
     L.box_max = o; o += d_;
     L.jl = o; o += m * m;
     L.fd = o; o += l * d_;
-    L.sumsq = o++; L.maxnorm = o++; L.delta = o++; L.fd_used = o++;
+    L.center = o; o += d_;
+    L.sumsq = o++; L.maxnorm = o++; L.delta = o++; L.fd_used = o++; L.csumsq = o++;
     L.lambda1 = o++; L.resid = o++; L.u1_scale = o++;
     L.floats = o;
     const std::size_t recs = static_cast<std::size_t>(layers_) * cap_;
@@ -341,7 +345,7 @@ class SketchStore {
         for (std::int32_t h = 0; h < hkv_; ++h) {
           for (std::int32_t t = rec_count_[ri]; t < ntok; ++t) {
             const T* k = view.k_ptr(b, j0 * page_size_ + t, h);
-            add_key(layer, r, h, k);
+            add_key(layer, r, h, k, t == 0);
           }
           refresh_one_pc(layer, r, h);
         }
@@ -390,7 +394,7 @@ class SketchStore {
       KVKIT_CHECK(r >= 0, "kvkit: sketch store is full (", cap_, " groups)");
       reset(layer, r);
     }
-    for (std::int32_t t = 0; t < n; ++t) add_key(layer, r, h, keys + t * stride);
+    for (std::int32_t t = 0; t < n; ++t) add_key(layer, r, h, keys + t * stride, t == 0 && rec_count_[rec(layer, r)] == 0);
     refresh_one_pc(layer, r, h);
     rec_count_[rec(layer, r)] = n;
     return r;
@@ -436,7 +440,7 @@ class SketchStore {
 
   // One key into head h's summaries of record r: box, scalars, JL Gram, FD.
   template <class T>
-  void add_key(std::int32_t layer, std::int32_t r, std::int32_t h, const T* kp) {
+  void add_key(std::int32_t layer, std::int32_t r, std::int32_t h, const T* kp, bool first) {
     float* s = data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
     const std::int32_t m = p_.jl_dim, l = p_.fd_rows;
     double* k = scratch_.data();  // [d]
@@ -458,8 +462,19 @@ class SketchStore {
     float* G = s + lay_.jl;
     for (std::int32_t a = 0; a < m; ++a)
       for (std::int32_t bb = 0; bb < m; ++bb) G[a * m + bb] += static_cast<float>(y[a] * y[bb]);
-    // Frequent Directions: append the row; when all l rows are used, shrink by the
-    // smallest squared singular value δ (Δ += δ), which frees at least one row.
+    // Frequent Directions over the keys centred on the group's first key c (removes the
+    // common offset real keys share): append k - c; when all l rows are used, shrink.
+    float* ctr = s + lay_.center;
+    if (first) {
+      for (std::int32_t c = 0; c < d_; ++c) ctr[c] = static_cast<float>(k[c]);
+      return;  // k - c = 0
+    }
+    double cn = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c) {
+      k[c] -= ctr[c];
+      cn += k[c] * k[c];
+    }
+    s[lay_.csumsq] = detail::round_up_float(static_cast<double>(s[lay_.csumsq]) + cn);
     std::int32_t used = static_cast<std::int32_t>(s[lay_.fd_used]);
     float* B = s + lay_.fd;
     if (used == l) {
@@ -550,7 +565,7 @@ class SketchStore {
       u[c] = static_cast<std::int8_t>(std::lround(std::max(-127.0, std::min(127.0, R[c] / scale))));
     s[lay_.u1_scale] = static_cast<float>(scale);
     s[lay_.lambda1] = static_cast<float>(s2);
-    s[lay_.resid] = static_cast<float>(std::max(0.0, static_cast<double>(s[lay_.sumsq]) - s2));
+    s[lay_.resid] = static_cast<float>(std::max(0.0, static_cast<double>(s[lay_.csumsq]) - s2));
   }
 
   SketchParams p_;
@@ -573,39 +588,76 @@ class SketchStore {
 /// Upper and lower bounds on the logits q·k of one group for one query (see the file
 /// comment); `z` is Φᵀq of the group's kv head.
 struct GroupBounds {
-  double box_hi = 0, box_lo = 0, norm = 0, fd = 0, jl = 0, one_pc = 0;
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+  double box_hi = 0, box_lo = 0, norm = 0;
+  double fd = kInf, jl = kInf, one_pc = kInf;  // +inf when not computed (never a bound)
 };
 
-/// Bounds of head h's summary `s` (layout L of `store`) for query q (float, [d]).
+/// Which bounds group_bounds computes besides box and norm (always).
+enum BoundSet : unsigned { kBoundsFD = 1, kBoundsJL = 2, kBoundsOnePC = 4, kBoundsAll = 7 };
+
+namespace detail {
+/// Float sums of n products, 8 accumulators: |error| <= float_sum_slack(n) · Σ|terms|
+/// (a 2x margin over (n/8 + 8 + 1)·2⁻²⁴).
+inline double float_sum_slack(std::int32_t n) { return (n / 8 + 17) * 1.2e-7; }
+}  // namespace detail
+
+/// Bounds of head h's summary `s` (layout L of `store`) for query q (float, [d]); the
+/// box in float with 8 accumulators (vectorised) plus its rounding slack.
 inline GroupBounds group_bounds(const SketchStore& store, const float* s, const std::int8_t* u1,
-                                const float* q /* [d] */, double qnorm, const double* z /* [m] */) {
+                                const float* q /* [d] */, double qnorm, const double* z /* [m] */,
+                                unsigned which = kBoundsAll) {
   const SketchStore::Layout& L = store.layout();
-  const std::int32_t d = store.head_dim(), m = store.params().jl_dim, l = store.params().fd_rows;
+  const std::int32_t d = store.head_dim(), m = store.params().jl_dim;
   GroupBounds g;
-  double hi = 0, lo = 0, mag = 0;
-  for (std::int32_t c = 0; c < d; ++c) {
-    const double a = static_cast<double>(q[c]) * s[L.box_min + c];
-    const double b = static_cast<double>(q[c]) * s[L.box_max + c];
-    hi += std::max(a, b);
-    lo += std::min(a, b);
-    mag += std::max(std::fabs(a), std::fabs(b));
+  float h8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const float* mn = s + L.box_min;
+  const float* mxp = s + L.box_max;
+  std::int32_t c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int j = 0; j < 8; ++j) {
+      const float a = q[c + j] * mn[c + j], b = q[c + j] * mxp[c + j];
+      h8[j] += a > b ? a : b;
+      l8[j] += a > b ? b : a;
+      const float aa = std::fabs(a), bb = std::fabs(b);
+      m8[j] += aa > bb ? aa : bb;
+    }
+  for (; c < d; ++c) {
+    const float a = q[c] * mn[c], b = q[c] * mxp[c];
+    h8[0] += a > b ? a : b;
+    l8[0] += a > b ? b : a;
+    m8[0] += std::max(std::fabs(a), std::fabs(b));
   }
-  const double slack = 1e-9 * mag;  // double rounding of the sums above
+  double hi = 0, lo = 0, mag = 0;
+  for (int j = 0; j < 8; ++j) {
+    hi += h8[j];
+    lo += l8[j];
+    mag += m8[j];
+  }
+  const double slack = detail::float_sum_slack(d) * mag;
   g.box_hi = hi + slack;
   g.box_lo = lo - slack;
   g.norm = qnorm * s[L.maxnorm] * (1 + 1e-12);
-  const std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
+  if ((which & (kBoundsFD | kBoundsOnePC)) == 0 && (which & kBoundsJL) == 0) return g;
+  std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
+  double qc = 0, qc_mag = 0;
+  for (std::int32_t c = 0; c < d; ++c) {
+    qc += static_cast<double>(q[c]) * s[L.center + c];
+    qc_mag += std::fabs(static_cast<double>(q[c]) * s[L.center + c]);
+  }
+  qc += 1e-9 * qc_mag;
   double e = 0;
+  if ((which & kBoundsFD) == 0) used = 0;
   for (std::int32_t i = 0; i < used; ++i) {
     double acc = 0;
     const float* row = s + L.fd + i * d;
     for (std::int32_t c = 0; c < d; ++c) acc += static_cast<double>(row[c]) * q[c];
     e += acc * acc;
   }
-  (void)l;
-  // float storage of B perturbs BᵀB by ~1e-7 ‖B‖_F² <= 1e-7 Σ‖k‖²: covered by the slack.
-  e += (static_cast<double>(s[L.delta]) + 1e-5 * s[L.sumsq]) * qnorm * qnorm;
-  g.fd = std::sqrt(e);
+  // float storage of B perturbs BᵀB by ~1e-7 ‖B‖_F² <= 1e-7 Σ‖k-c‖²: covered by the slack.
+  e += (static_cast<double>(s[L.delta]) + 1e-5 * s[L.csumsq]) * qnorm * qnorm;
+  if (which & kBoundsFD) g.fd = qc + std::sqrt(e);
+  if ((which & kBoundsJL) == 0 && (which & kBoundsOnePC) == 0) return g;
   double qf = 0;
   const float* G = s + L.jl;
   for (std::int32_t a = 0; a < m; ++a) {
@@ -613,13 +665,21 @@ inline GroupBounds group_bounds(const SketchStore& store, const float* s, const 
     for (std::int32_t b = 0; b < m; ++b) row += static_cast<double>(G[a * m + b]) * z[b];
     qf += row * z[a];
   }
-  g.jl = std::sqrt(std::max(0.0, qf)) / m;
+  if (which & kBoundsJL) g.jl = std::sqrt(std::max(0.0, qf)) / m;
   double dot = 0;
   for (std::int32_t c = 0; c < d; ++c) dot += static_cast<double>(u1[c]) * q[c];
   dot *= s[L.u1_scale];
-  g.one_pc = std::sqrt(std::max(0.f, s[L.lambda1])) * std::fabs(dot) +
+  if (which & kBoundsOnePC) g.one_pc = qc + std::sqrt(std::max(0.f, s[L.lambda1])) * std::fabs(dot) +
              std::sqrt(std::max(0.f, s[L.resid])) * qnorm;
   return g;
+}
+
+/// Bounds the selector needs for params p.
+inline unsigned bounds_needed(const SketchParams& p) {
+  if (p.method == SketchMethod::kFD) return kBoundsFD;
+  if (p.strict) return 0;
+  if (p.method == SketchMethod::kJL) return kBoundsJL;
+  return p.method == SketchMethod::kOnePC ? static_cast<unsigned>(kBoundsOnePC) : 0u;
 }
 
 /// The upper bound a selector with params p uses: certified (strict) or
@@ -683,6 +743,7 @@ class SketchSelector {
                        " outside the reserved batch ", max_batch_, " heads ", hq_);
     const std::int32_t grp = num_qo_heads / hkv;
     const double scale = sm_scale;
+    const unsigned need = bounds_needed(p);
     SketchTelemetry t;
     std::int32_t out = 0;
     indptr_[0] = 0;
@@ -718,18 +779,20 @@ class SketchSelector {
           for (std::int32_t a = 0; a < m; ++a) z_[a] = 0;
           for (std::int32_t c = 0; c < d; ++c)
             for (std::int32_t a = 0; a < m; ++a) z_[a] += static_cast<double>(qbuf_[c]) * ph[c * m + a];
-          // Exact log-mass of the always-visited groups.
-          double mx = -std::numeric_limits<double>::infinity();
+          // Exact log-mass of the always-visited groups (online max; logits rounded down
+          // by their float error bound, so S stays a lower bound of their mass).
+          double mx = -std::numeric_limits<double>::infinity(), S = 0;
           for (std::int32_t j = 0; j < ng; ++j) {
             if (!always_[j]) continue;
-            for (std::int32_t t0i = j * g * P; t0i < std::min(len, (j + 1) * g * P); ++t0i)
-              mx = std::max(mx, scale * dot(view.k_ptr(b, t0i, h), d));
-          }
-          double S = 0;
-          for (std::int32_t j = 0; j < ng; ++j) {
-            if (!always_[j]) continue;
-            for (std::int32_t t0i = j * g * P; t0i < std::min(len, (j + 1) * g * P); ++t0i)
-              S += std::exp(scale * dot(view.k_ptr(b, t0i, h), d) - mx);
+            for (std::int32_t t0i = j * g * P; t0i < std::min(len, (j + 1) * g * P); ++t0i) {
+              const double x = scale * logit_lo(view.k_ptr(b, t0i, h), d);
+              if (x > mx) {
+                S = S * std::exp(mx - x) + 1.0;
+                mx = x;
+              } else {
+                S += std::exp(x - mx);
+              }
+            }
           }
           // Upper log-mass bound of every other group.
           std::int32_t nc = 0;
@@ -737,7 +800,7 @@ class SketchSelector {
           for (std::int32_t j = 0; j < ng; ++j) {
             if (always_[j]) continue;
             const GroupBounds gb = group_bounds(st, st.summary(layer, rec_[j], h), st.u1(layer, rec_[j], h),
-                                                qbuf_.data(), qn, z_.data());
+                                                qbuf_.data(), qn, z_.data(), need);
             const std::int32_t ntok = std::min(len - j * g * P, g * P);
             ub_[j] = std::log(static_cast<double>(ntok)) + scale * upper_bound(p, gb);
             ref = std::max(ref, ub_[j]);
@@ -757,14 +820,20 @@ class SketchSelector {
           tail_[nc] = 0;
           for (std::int32_t i = nc - 1; i >= 0; --i) tail_[i] = tail_[i + 1] + std::exp(ub_[order_[i]] - ref);
           double s_rel = S * std::exp(mx - ref);
-          const std::int32_t cap_groups = p.top_pages > 0 ? std::max(1, p.top_pages / g) : nc;
+          const std::int32_t lim = p.top_pages > 0 ? std::min(nc, std::max(1, p.top_pages / g)) : nc;
+          // No stop before index i0 is possible even if every visited group held its
+          // bound's mass: visit those without scoring; if that is all of them, score none.
+          std::int32_t i0 = 0;
+          for (double opt = s_rel; i0 < lim && tail_[i0] > p.eps * opt; ++i0) opt += tail_[i0] - tail_[i0 + 1];
           std::int32_t i = 0;
-          for (; i < nc && i < cap_groups; ++i) {
-            if (tail_[i] <= p.eps * s_rel) break;
-            const std::int32_t j = order_[i];
-            visit_[j] = 1;
-            for (std::int32_t tk = j * g * P; tk < std::min(len, (j + 1) * g * P); ++tk)
-              s_rel += std::exp(scale * dot(view.k_ptr(b, tk, h), d) - ref);
+          for (; i < i0; ++i) visit_[order_[i]] = 1;
+          if (i0 < lim) {
+            for (std::int32_t k = 0; k < i0; ++k) s_rel += group_mass(view, b, h, order_[k], len, scale, ref);
+            for (; i < lim; ++i) {
+              if (tail_[i] <= p.eps * s_rel) break;
+              visit_[order_[i]] = 1;
+              s_rel += group_mass(view, b, h, order_[i], len, scale, ref);
+            }
           }
           // Omitted-mass bound: this head's skipped groups (a superset of what the union
           // finally omits) against S; x/(x+S) grows with x and S <= Z, so it bounds M_Ω/Z.
@@ -803,11 +872,38 @@ class SketchSelector {
   }
 
  private:
+  // q·k in float (8 accumulators, vectorised) minus its rounding error bound.
   template <class T>
-  double dot(const T* k, std::int32_t d) const {
-    double acc = 0;
-    for (std::int32_t c = 0; c < d; ++c) acc += static_cast<double>(qbuf_[c]) * to_float(k[c]);
-    return acc;
+  double logit_lo(const T* k, std::int32_t d) const {
+    float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::int32_t c = 0;
+    for (; c + 8 <= d; c += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float x = qbuf_[c + j] * to_float(k[c + j]);
+        a8[j] += x;
+        m8[j] += std::fabs(x);
+      }
+    for (; c < d; ++c) {
+      const float x = qbuf_[c] * to_float(k[c]);
+      a8[0] += x;
+      m8[0] += std::fabs(x);
+    }
+    double acc = 0, mag = 0;
+    for (int j = 0; j < 8; ++j) {
+      acc += a8[j];
+      mag += m8[j];
+    }
+    return acc - detail::float_sum_slack(d) * mag;
+  }
+  // Σ exp(s·q·k − ref) over group j's tokens (a lower bound of its mass relative to ref).
+  template <class T>
+  double group_mass(const PagedKVView<T>& view, std::int32_t b, std::int32_t h, std::int32_t j, std::int32_t len,
+                    double scale, double ref) const {
+    const std::int32_t g = store_->params().group_pages, P = store_->page_size(), d = store_->head_dim();
+    double m = 0;
+    for (std::int32_t tk = j * g * P; tk < std::min(len, (j + 1) * g * P); ++tk)
+      m += std::exp(scale * logit_lo(view.k_ptr(b, tk, h), d) - ref);
+    return m;
   }
 
   const SketchStore* store_;
