@@ -56,6 +56,7 @@ inline PolicyEntry none_policy_entry() {
 }  // namespace kvkit
 
 #include "cli/policy_r1kv.hpp"  // after PolicyEntry: the family headers use it
+#include "cli/policy_eps.hpp"  // after PolicyEntry: the family headers use it
 
 namespace kvkit {
 namespace cli {
@@ -66,6 +67,7 @@ inline std::vector<PolicyEntry> all_policies() {
   v.push_back(none_policy_entry());
   v.push_back(r1kv_policy_entry());
   // One line per family (with its #include above), e.g. v.push_back(r1kv_policy_entry());
+  v.push_back(eps_policy_entry());
   return v;
 }
 

@@ -1,0 +1,430 @@
+// bench_eps: the Sketcher (sketch/eps.hpp) against Quest's box bound on the same data.
+//
+// Traces: synthetic long contexts with needles (page size 16, 4K..64K tokens, head dim
+// 128, keys = mean + low-rank drifting topic + noise, four planted needle keys, queries
+// aimed at one needle) and stories260K decode traces (every layer and kv head after a
+// greedy run, its two query heads). Per trace and query:
+//   - pages ranked by each bound (box = Quest, FD, JL estimate, 1-PC estimate, strict =
+//     min(box, norm, FD)): pages needed for 100 % recall of the top-10 tokens;
+//   - attention-output relative error (float64) when reading the last page plus the top
+//     pages of each ranking at fixed budgets;
+//   - the certified pre-pass (ε = 1e-3): pages visited with box-only bounds vs strict FD;
+//   - metadata bytes per page of each summary;
+// and on the 64K trace: pre-pass time / dense decode time, page-subset attention bytes/s
+// vs dense (same process, single thread, min of repeats). Plain program (no Google
+// Benchmark: it reports tables of ratios, not one timed loop); --small for a smoke run.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvkit/kernels/cpu.hpp"
+#include "kvkit/sketch/eps.hpp"
+#ifdef KVKIT_BENCH_EPS_ENGINE
+#include "engine/engine.hpp"
+#endif
+
+namespace sk = kvkit::sketch;
+
+namespace {
+
+struct Trace {
+  std::string name;
+  std::int32_t d = 0, P = 16, n = 0;
+  std::vector<float> k, v;               // [n, d]
+  std::vector<std::vector<float>> qs;    // queries [d]
+  float scale = 0;
+};
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Single-sequence, one-head paged view over the trace's keys (page i = physical page i).
+struct TraceView {
+  std::vector<float> kp, vp;
+  std::vector<std::int32_t> indptr, indices, last;
+  kvkit::PagedKVView<float> view;
+  explicit TraceView(const Trace& t) {
+    const std::int32_t np = (t.n + t.P - 1) / t.P;
+    kvkit::KVGeometry g{1, t.d, t.P, np, 0};
+    const kvkit::KVStrides s = kvkit::packed_strides(g, kvkit::KVLayout::kNHD);
+    kp.assign(static_cast<std::size_t>(s.page) * np, 0.f);
+    vp = kp;
+    std::copy(t.k.begin(), t.k.end(), kp.begin());
+    std::copy(t.v.begin(), t.v.end(), vp.begin());
+    indptr = {0, np};
+    indices.resize(static_cast<std::size_t>(np));
+    std::iota(indices.begin(), indices.end(), 0);
+    last = {t.n - (np - 1) * t.P};
+    view = kvkit::make_csr_view(g, kp.data(), s, vp.data(), s,
+                                kvkit::CsrPageTable{indptr.data(), indices.data(), last.data(), 1});
+  }
+};
+
+Trace synthetic_trace(std::int32_t n, std::uint64_t seed, std::int32_t queries) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  Trace t;
+  t.d = 128;
+  t.n = n;
+  t.scale = 1.f / std::sqrt(128.f);
+  t.name = "synthetic " + std::to_string(n / 1024) + "K";
+  const int d = t.d, r = 8;
+  std::vector<float> mu(d), A(static_cast<std::size_t>(d) * r), c(r);
+  for (int i = 0; i < d; ++i) mu[i] = (i % 16 == 0 ? 3.f : 0.3f) * nd(rng);
+  for (float& x : A) x = nd(rng) / std::sqrt(float(r));
+  t.k.resize(static_cast<std::size_t>(n) * d);
+  t.v.resize(t.k.size());
+  for (std::int32_t i = 0; i < n; ++i) {
+    if (i % t.P == 0)
+      for (float& x : c) x = nd(rng);  // the page's topic
+    for (int a = 0; a < d; ++a) {
+      float x = mu[a];
+      for (int b = 0; b < r; ++b) x += A[a * r + b] * (c[b] + 0.3f * nd(rng));
+      t.k[static_cast<std::size_t>(i) * d + a] = x + 0.3f * nd(rng);
+      t.v[static_cast<std::size_t>(i) * d + a] = nd(rng);
+    }
+  }
+  // Needles: unit directions planted at random positions; each query aims at one.
+  std::vector<std::vector<float>> dirs;
+  for (int nn = 0; nn < 4; ++nn) {
+    std::vector<float> u(d);
+    double s = 0;
+    for (float& x : u) {
+      x = nd(rng);
+      s += double(x) * x;
+    }
+    for (float& x : u) x /= float(std::sqrt(s));
+    const std::int32_t pos = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n - t.P));
+    for (int a = 0; a < d; ++a) t.k[static_cast<std::size_t>(pos) * d + a] = mu[a] + 6.f * u[a];
+    dirs.push_back(u);
+  }
+  for (std::int32_t qi = 0; qi < queries; ++qi) {
+    const auto& u = dirs[static_cast<std::size_t>(qi) % dirs.size()];
+    std::vector<float> q(d);
+    for (int a = 0; a < d; ++a) q[a] = 22.f * (u[a] + 0.03f * nd(rng));
+    t.qs.push_back(q);
+  }
+  return t;
+}
+
+struct Row {
+  std::string trace;
+  std::int32_t pages = 0;
+  // pages for 100 % top-10 recall: box, strict, fd, jl, 1pc
+  double recall_pages[5] = {0, 0, 0, 0, 0};
+  double err[3][5] = {};  // [budget][method]
+  double visited_box = 0, visited_strict = 0, visited_jl = 0;
+  std::int32_t queries = 0;
+};
+
+const double kBudgets[3] = {0.02, 0.05, 0.10};
+
+// One trace: every analysis but timing. `g` pages per group (bounds per group).
+Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
+  TraceView tv(t);
+  const auto& view = tv.view;
+  const std::int32_t np = view.num_pages(0), d = t.d;
+  sk::SketchParams p;
+  p.method = sk::SketchMethod::kFD;
+  p.jl_dim = m;
+  p.fd_rows = l;
+  sk::SketchStore store(p, 1, 1, d, t.P, np);
+  store.sync(0, view);
+  Row row;
+  row.trace = t.name;
+  row.pages = np;
+  std::vector<double> logit(static_cast<std::size_t>(t.n));
+  std::vector<double> ub[5];
+  for (auto& u : ub) u.resize(static_cast<std::size_t>(np));
+  for (const auto& q : t.qs) {
+    double qn = 0;
+    for (float x : q) qn += double(x) * x;
+    qn = std::sqrt(qn);
+    std::vector<double> z(static_cast<std::size_t>(m), 0.0);
+    for (int c = 0; c < d; ++c)
+      for (int a = 0; a < m; ++a) z[a] += double(q[c]) * store.phi(0)[c * m + a];
+    for (std::int32_t j = 0; j < np; ++j) {
+      const std::int32_t r = store.record_of(0, j);
+      const sk::GroupBounds gb = sk::group_bounds(store, store.summary(0, r, 0), store.u1(0, r, 0), q.data(), qn, z.data());
+      ub[0][j] = gb.box_hi;
+      ub[1][j] = std::min({gb.box_hi, gb.norm, gb.fd});
+      ub[2][j] = gb.fd;
+      ub[3][j] = gb.jl;
+      ub[4][j] = gb.one_pc;
+    }
+    double mx = -1e300;
+    for (std::int32_t i = 0; i < t.n; ++i) {
+      double s = 0;
+      for (int c = 0; c < d; ++c) s += double(q[c]) * t.k[static_cast<std::size_t>(i) * d + c];
+      logit[i] = s * t.scale;
+      mx = std::max(mx, logit[i]);
+    }
+    std::vector<std::int32_t> idx(static_cast<std::size_t>(t.n));
+    std::iota(idx.begin(), idx.end(), 0);
+    const std::int32_t top = std::min<std::int32_t>(10, t.n);
+    std::partial_sort(idx.begin(), idx.begin() + top, idx.end(), [&](std::int32_t a, std::int32_t b) { return logit[a] > logit[b]; });
+    // Dense output (float64).
+    auto attend = [&](const std::vector<char>& vis, std::vector<double>& o) {
+      o.assign(static_cast<std::size_t>(d), 0.0);
+      double z0 = 0;
+      for (std::int32_t i = 0; i < t.n; ++i) {
+        if (!vis[i / t.P]) continue;
+        const double w = std::exp(logit[i] - mx);
+        z0 += w;
+        for (int c = 0; c < d; ++c) o[c] += w * t.v[static_cast<std::size_t>(i) * d + c];
+      }
+      for (double& x : o) x /= z0;
+    };
+    std::vector<char> all(static_cast<std::size_t>(np), 1);
+    std::vector<double> dense, part;
+    attend(all, dense);
+    double dn = 0;
+    for (double x : dense) dn += x * x;
+    for (int mt = 0; mt < 5; ++mt) {
+      std::vector<std::int32_t> order;
+      for (std::int32_t j = 0; j < np - 1; ++j) order.push_back(j);
+      std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return ub[mt][a] > ub[mt][b]; });
+      std::vector<std::int32_t> rank(static_cast<std::size_t>(np), 0);
+      for (std::size_t i = 0; i < order.size(); ++i) rank[order[i]] = static_cast<std::int32_t>(i) + 2;  // last page is 1
+      rank[np - 1] = 1;
+      std::int32_t need = 1;
+      for (std::int32_t i = 0; i < top; ++i) need = std::max(need, rank[idx[i] / t.P]);
+      row.recall_pages[mt] += need;
+      for (int bi = 0; bi < 3; ++bi) {
+        const std::int32_t budget = std::max<std::int32_t>(2, static_cast<std::int32_t>(std::lround(kBudgets[bi] * np)));
+        std::vector<char> vis(static_cast<std::size_t>(np), 0);
+        vis[np - 1] = 1;
+        for (std::int32_t i = 0; i + 1 < budget && i < static_cast<std::int32_t>(order.size()); ++i) vis[order[i]] = 1;
+        attend(vis, part);
+        double e = 0;
+        for (int c = 0; c < d; ++c) e += (part[c] - dense[c]) * (part[c] - dense[c]);
+        row.err[bi][mt] += std::sqrt(e / dn);
+      }
+    }
+    ++row.queries;
+  }
+  // Certified pre-pass (ε = 1e-3): box-only vs strict FD; default-mode JL for reference.
+  auto visited = [&](sk::SketchMethod mt, bool strict) {
+    sk::SketchParams sp;
+    sp.method = mt;
+    sp.strict = strict;
+    sp.eps = 1e-3;
+    sp.jl_dim = m;
+    sp.fd_rows = l;
+    sk::SketchStore st(sp, 1, 1, d, t.P, np);
+    st.sync(0, view);
+    sk::SketchSelector sel(st);
+    sel.reserve(1, 1, np);
+    double v = 0;
+    for (const auto& q : t.qs) {
+      sk::SketchTelemetry tel;
+      if (!sel.select(0, view, q.data(), 1, t.scale, &tel).is_ok()) return -1.0;
+      v += static_cast<double>(tel.pages_visited);
+    }
+    return v;
+  };
+  row.visited_box = visited(sk::SketchMethod::kBox, true);
+  row.visited_strict = visited(sk::SketchMethod::kFD, true);
+  row.visited_jl = visited(sk::SketchMethod::kJL, false);
+  return row;
+}
+
+template <class F>
+double best_of(int reps, F f) {
+  double b = 1e300;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now();
+    f();
+    b = std::min(b, now() - t0);
+  }
+  return b;
+}
+
+void timing(const Trace& t, std::int32_t m, std::int32_t l, int reps) {
+  TraceView tv(t);
+  const auto& view = tv.view;
+  const std::int32_t np = view.num_pages(0);
+  const kvkit::exec::Host ex{1};
+  kvkit::DecodeAttentionParams ap{1, t.scale};
+  std::vector<unsigned char> ws(kvkit::paged_decode_attention_workspace_size(ex, view, ap));
+  std::vector<float> out(static_cast<std::size_t>(t.d));
+  const float* q = t.qs[0].data();
+  const double dense = best_of(reps, [&] {
+    (void)kvkit::paged_decode_attention(ex, view, q, out.data(), ap, kvkit::Workspace{ws.data(), ws.size()});
+  });
+  const double dense_bytes = static_cast<double>(t.n) * 2 * t.d * 4;
+  std::printf("\n64K timing (%s, d=%d, %d pages, 1 thread, best of %d): dense decode %.3f ms (%.2f GB/s)\n",
+              t.name.c_str(), t.d, np, reps, dense * 1e3, dense_bytes / dense / 1e9);
+  std::printf("| pre-pass | pages visited | pre-pass ms | pre-pass / dense | subset attn ms | subset GB/s / dense GB/s |\n|---|---|---|---|---|---|\n");
+  for (int mi = 0; mi < 3; ++mi) {
+    sk::SketchParams sp;
+    sp.method = mi == 1 ? sk::SketchMethod::kFD : sk::SketchMethod::kBox;
+    sp.strict = true;
+    sp.eps = 1e-3;
+    sp.jl_dim = m;
+    sp.fd_rows = l;
+    sp.group_pages = mi == 2 ? 4 : 1;
+    sk::SketchStore st(sp, 1, 1, t.d, t.P, np);
+    const double sync_s = best_of(1, [&] { st.sync(0, view); });
+    sk::SketchSelector sel(st);
+    sel.reserve(1, 1, np);
+    sk::SketchTelemetry tel;
+    const double pre = best_of(reps, [&] { (void)sel.select(0, view, q, 1, t.scale, &tel); });
+    kvkit::DecodeAttentionParams sp2 = ap;
+    sp2.page_subset_indptr = sel.indptr();
+    sp2.page_subset = sel.subset();
+    const double sub = best_of(reps, [&] {
+      (void)kvkit::paged_decode_attention(ex, view, q, out.data(), sp2, kvkit::Workspace{ws.data(), ws.size()});
+    });
+    const double sub_bytes = static_cast<double>(tel.bytes_kv_read_est);
+    std::printf("| strict %s g=%d | %lld / %d | %.3f | %.3f | %.3f | %.2f |\n", mi == 1 ? "FD" : "box",
+                sp.group_pages, static_cast<long long>(tel.pages_visited), np, pre * 1e3, pre / dense, sub * 1e3,
+                (sub_bytes / sub) / (dense_bytes / dense));
+    if (mi == 0)
+      std::printf("(summarising all %d tokens once: %.1f ms, %.2f us/token/head, all five summaries)\n", t.n, sync_s * 1e3,
+                  sync_s / t.n * 1e6);
+  }
+  std::printf("\n| random page subset | subset attn ms | bytes/s vs dense |\n|---|---|---|\n");
+  std::mt19937_64 rng(7);
+  for (double frac : {0.05, 0.10, 0.25, 0.5}) {
+    std::vector<std::int32_t> sub;
+    for (std::int32_t j = 0; j < np; ++j)
+      if (std::uniform_real_distribution<double>(0, 1)(rng) < frac || j == np - 1) sub.push_back(j);
+    std::vector<std::int32_t> ip = {0, static_cast<std::int32_t>(sub.size())};
+    kvkit::DecodeAttentionParams sp2 = ap;
+    sp2.page_subset_indptr = ip.data();
+    sp2.page_subset = sub.data();
+    const double s = best_of(reps, [&] {
+      (void)kvkit::paged_decode_attention(ex, view, q, out.data(), sp2, kvkit::Workspace{ws.data(), ws.size()});
+    });
+    const double bytes = static_cast<double>(sub.size()) * t.P * 2 * t.d * 4;
+    std::printf("| %.0f %% (%zu pages) | %.3f | %.2f |\n", frac * 100, sub.size(), s * 1e3, (bytes / s) / (dense_bytes / dense));
+  }
+}
+
+#ifdef KVKIT_BENCH_EPS_ENGINE
+// Every (layer, kv head) of a greedy stories260K run after `steps` positions, its query
+// heads as the queries.
+std::vector<Trace> stories_traces(const std::string& path, int steps, std::int32_t page) {
+  using namespace kvkit::engine;
+  std::vector<Trace> out;
+  auto ck = std::make_shared<const Checkpoint>(load_checkpoint(path));
+  EngineOptions o;
+  o.page_size = page;
+  o.max_batch = 1;
+  Engine eng(ck, o);
+  const ModelConfig& c = ck->config();
+  const int hd = c.head_dim(), grp = c.n_heads / c.n_kv_heads;
+  int step = 0;
+  eng.set_attention([&](const AttentionCall& call) {
+    if (step == steps - 1) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        Trace t;
+        t.d = hd;
+        t.P = page;
+        t.n = call.view.seq_len(0);
+        t.scale = call.params.sm_scale;
+        t.name = "stories260K L" + std::to_string(call.layer) + " H" + std::to_string(h);
+        for (int i = 0; i < t.n; ++i) {
+          const float* k = call.view.k_ptr(0, i, h);
+          const float* v = call.view.v_ptr(0, i, h);
+          t.k.insert(t.k.end(), k, k + hd);
+          t.v.insert(t.v.end(), v, v + hd);
+        }
+        for (int gq = 0; gq < grp; ++gq) {
+          const float* q = call.q + static_cast<std::size_t>(h * grp + gq) * hd;
+          t.qs.emplace_back(q, q + hd);
+        }
+        out.push_back(std::move(t));
+      }
+    }
+    return kvkit::paged_decode_attention(call.exec, call.view, call.q, call.out, call.params, call.workspace);
+  });
+  eng.add_sequence({1});
+  for (step = 0; step < steps; ++step) eng.step();
+  return out;
+}
+#endif
+
+void print_rows(const std::vector<Row>& rows, const char* title) {
+  std::printf("\n### %s\n\npages read for 100%% recall of the top-10 tokens (mean over queries; the last page always counts)\n\n", title);
+  std::printf("| trace | pages | box (Quest) | strict min(box,norm,FD) | FD | JL est. | 1-PC est. |\n|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    std::printf("| %s | %d |", r.trace.c_str(), r.pages);
+    for (double x : r.recall_pages) std::printf(" %.1f |", x / r.queries);
+    std::printf("\n");
+  }
+  for (int bi = 0; bi < 3; ++bi) {
+    std::printf("\nattention-output relative error (float64), last page + top pages, budget %.0f %% of pages (mean over queries)\n\n",
+                kBudgets[bi] * 100);
+    std::printf("| trace | box (Quest) | strict | FD | JL est. | 1-PC est. |\n|---|---|---|---|---|---|\n");
+    for (const Row& r : rows) {
+      std::printf("| %s |", r.trace.c_str());
+      for (double x : r.err[bi]) std::printf(" %.2e |", x / r.queries);
+      std::printf("\n");
+    }
+  }
+  std::printf("\ncertified pre-pass, eps = 1e-3 (pages visited, mean per query): box-only vs strict (min(box,norm,FD)); default-mode JL (alpha 1.1) for reference\n\n");
+  std::printf("| trace | pages | box-only strict | strict FD | box / strict | default JL |\n|---|---|---|---|---|---|\n");
+  std::vector<double> ratios;
+  for (const Row& r : rows) {
+    const double ratio = r.visited_box / std::max(1.0, r.visited_strict);
+    ratios.push_back(ratio);
+    std::printf("| %s | %d | %.1f | %.1f | %.2f | %.1f |\n", r.trace.c_str(), r.pages, r.visited_box / r.queries,
+                r.visited_strict / r.queries, ratio, r.visited_jl / r.queries);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  if (!ratios.empty()) {
+    std::int64_t worse = 0;
+    for (const Row& r : rows) worse += r.visited_strict > r.visited_box ? 1 : 0;
+    std::printf("\nmedian box/strict ratio %.2f; traces where strict visits more than box-only: %lld of %zu\n",
+                ratios[ratios.size() / 2], static_cast<long long>(worse), rows.size());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool small = false;
+  std::string model;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--small") == 0) small = true;
+    if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) model = argv[++i];
+  }
+  const std::int32_t m = 8, l = 8;
+  std::printf("# bench_eps (JL m = %d, FD l = %d, page 16)\n\nmetadata bytes per page and kv head (group of 1 page; /g for groups of g):\n\n", m, l);
+  const sk::SummaryBytes sb = sk::summary_bytes(128, m, l), s64 = sk::summary_bytes(64, m, l), s8 = sk::summary_bytes(8, m, l);
+  std::printf("| summary | d=128 | d=64 (SmolLM2) | d=8 (stories260K) | vs K+V page (16 tokens, fp32) d=128 |\n|---|---|---|---|---|\n");
+  auto line = [&](const char* n, std::int64_t a, std::int64_t b, std::int64_t c) {
+    std::printf("| %s | %lld | %lld | %lld | %.2f %% |\n", n, (long long)a, (long long)b, (long long)c, 100.0 * a / (16.0 * 2 * 128 * 4));
+  };
+  line("box (Quest, fp32 min/max)", sb.box, s64.box, s8.box);
+  line("scalars (sum |k|^2, max |k|)", sb.scalars, s64.scalars, s8.scalars);
+  line("JL Gram (4 m^2)", sb.jl, s64.jl, s8.jl);
+  line("FD (4 l d + 4)", sb.fd, s64.fd, s8.fd);
+  line("1-PC (int8 u1 + 3 floats)", sb.one_pc, s64.one_pc, s8.one_pc);
+  line("all five", sb.total(), s64.total(), s8.total());
+
+  std::vector<Row> rows;
+  const std::vector<std::int32_t> lens = small ? std::vector<std::int32_t>{4096} : std::vector<std::int32_t>{4096, 8192, 16384, 32768, 65536};
+  const int seeds = small ? 1 : 3, queries = small ? 4 : 8;
+  for (std::int32_t n : lens)
+    for (int s = 0; s < seeds; ++s) rows.push_back(analyse(synthetic_trace(n, 1000 + s * 17 + n, queries), m, l));
+  print_rows(rows, "synthetic needle traces (d = 128, 3 seeds per length, 8 queries each)");
+#ifdef KVKIT_BENCH_EPS_ENGINE
+  if (!model.empty()) {
+    std::vector<Row> srows;
+    for (const Trace& t : stories_traces(model, small ? 64 : 500, 16)) srows.push_back(analyse(t, m, l));
+    print_rows(srows, "stories260K after 500 greedy positions (every layer and kv head; 2 query heads each)");
+  }
+#endif
+  timing(synthetic_trace(small ? 4096 : 65536, 99, 1), m, l, small ? 2 : 7);
+  return 0;
+}

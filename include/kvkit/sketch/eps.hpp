@@ -1,0 +1,918 @@
+#pragma once
+// Sketcher (EPS, EigenPage Summaries): per (layer, kv head, group of g pages) key summaries
+// and a decode-time pre-pass that chooses which pages attention reads
+// (../shared/seeds/eps-eigenpage-summaries.md, made sound). All of the policy's math is here.
+//
+// Summaries of one group of keys k_1..k_n (d channels), updated token by token as K is
+// written (each key read once, when it lands; a group is re-read only after a kRewrite):
+//   box      min_d, max_d per channel                         8d bytes
+//   scalars  Σ‖k‖², max‖k‖                                     8 bytes
+//   JL       G = Σ y yᵀ, y = Φᵀk, Φ ∈ {±1}^{d×m} per kv head     4m² bytes (seed §7, §17)
+//   FD       centre c (the group's first key), Frequent Directions rows B (ℓ×d) of the
+//            centred keys K_c = K − 1cᵀ and the shrinkage Δ = Σδ, so that
+//            BᵀB ≼ K_cᵀK_c ≼ BᵀB + Δ·I (Liberty 2013; each shrink by the
+//            median σ² frees half the rows)                     4ℓd + 4d + 12 bytes
+//   1-PC     u₁ (int8 + scale), λ₁, residual r² = Σ‖k−c‖² − λ₁, from FD's top direction
+//                                                                d + 12 bytes
+// Bounds on the largest logit max_i q·k_i of a group:
+//   certified: box  Σ_d max(q_d·min_d, q_d·max_d);  norm ‖q‖·max‖k‖;
+//              FD   q·c + sqrt(‖Bq‖² + Δ‖q‖²) ≥ q·c + ‖K_c q‖₂ ≥ max_i q·k_i
+//                   (Cauchy–Schwarz on the centred keys, exact)
+//   estimates: JL   sqrt(zᵀGz)/m with z = Φᵀq  (≈ ‖Kq‖₂ ≥ max|q·k|, the seed's bound,
+//                   biased upward by ~‖K‖_F‖q‖/√m)
+//              1-PC q·c + sqrt(λ₁)|u₁·q| + r‖q‖
+// A lower bound on every logit is the box's Σ_d min(q_d·min_d, q_d·max_d).
+//
+// Pre-pass, per (sequence b, query head): the last `last_n` groups (and any group without a
+// valid summary) are always visited and their logits computed exactly, giving the mass
+// S = Σ exp(s·q·k) over them. Every other group j has the mass bound A_j = n_j·exp(s·U_j)
+// (U_j: the group's upper bound on q·k, s: the softmax scale). Groups are taken in
+// decreasing A_j; each visited group is scored exactly (reading its K once) and its mass
+// added to S; the walk stops as soon as the bound on all groups left, Σ A_j, is <= ε·S.
+// S <= Z (the softmax denominator), so the omitted mass satisfies M_Ω/Z <= ε, every
+// skipped token has softmax weight <= ε, and the reported omitted-mass bound
+// ΣA_Ω / (ΣA_Ω + S) >= M_Ω / Z. (The seed's rule "skip when B_p < T/α", which compares
+// bounds with bounds, is not sound and is not implemented.) Strict mode uses certified
+// bounds only: min(box, norm), and also FD with method kFD. Default mode uses
+// min(certified, α·estimate) for kJL / kOnePC and its omitted bound is then an estimate.
+// top_pages caps the pages visited beyond the always-visited ones (when the cap cuts,
+// the ε guarantee is void but the reported bound still holds). GQA: a kv head reads the
+// union of its query heads' groups. Per (layer, kv head) the pre-pass can be switched off
+// (all pages read). The pre-pass reads summaries of every group and K of visited groups.
+//
+// Storage: a group is identified by the physical id of its first page; its record keeps
+// the physical ids of its pages and their versions. The host bumps a page's version on
+// every event that changes its contents (kRewrite: compaction, truncation, copies;
+// allocation) and drops a record when its first page is freed; a record whose pages or
+// versions differ from the sequence's page table is rebuilt from the view (one read of
+// the group's K). So summaries survive page-table rewrites (a moved page keeps its
+// summary as long as the group's page list is the same), and pages the host filled
+// without the hooks seeing them (batched prefill) are summarised lazily on first use.
+// All buffers are sized at construction / reserve(); sync() and select() never allocate.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvkit/core/dtype.hpp"
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+
+namespace kvkit {
+namespace sketch {
+
+/// Which summary orders and bounds the groups (see the file comment).
+enum class SketchMethod : unsigned char { kBox = 0, kJL = 1, kOnePC = 2, kFD = 3 };
+
+inline const char* to_string(SketchMethod m) {
+  switch (m) {
+    case SketchMethod::kBox: return "box";
+    case SketchMethod::kJL: return "jl";
+    case SketchMethod::kOnePC: return "1pc";
+    case SketchMethod::kFD: return "fd";
+  }
+  return "?";
+}
+
+/// "box" | "jl" | "1pc" | "fd"; throws kvkit::Error naming anything else.
+inline SketchMethod parse_method(const std::string& s) {
+  if (s == "box") return SketchMethod::kBox;
+  if (s == "jl") return SketchMethod::kJL;
+  if (s == "1pc") return SketchMethod::kOnePC;
+  if (s == "fd") return SketchMethod::kFD;
+  fail("kvkit: unknown sketch method '", s, "' (expected box, jl, 1pc or fd)");
+}
+
+/// Sketcher settings; validate() (called by the constructors) throws kvkit::Error naming
+/// the bad value.
+struct SketchParams {
+  SketchMethod method = SketchMethod::kBox;
+  bool strict = true;          // certified bounds only
+  double eps = 1e-3;           // omitted softmax mass budget, in (0, 1)
+  double alpha = 1.1;          // safety factor on estimates (default mode), >= 1
+  std::int32_t jl_dim = 8;     // m >= 1
+  std::int32_t fd_rows = 8;    // ℓ >= 1
+  std::int32_t group_pages = 1;  // g >= 1 pages per group
+  std::int32_t last_n = 1;     // groups always visited, >= 1
+  std::int32_t top_pages = 0;  // cap on pages visited beyond the always-visited ones; 0: none
+  std::uint64_t seed = 0x5eed5eedULL;  // Φ
+  std::vector<std::uint8_t> head_on;  // [num_layers * num_kv_heads] 0: read all pages; empty: all on
+
+  void validate() const {
+    KVKIT_CHECK(std::isfinite(eps) && eps > 0.0 && eps < 1.0, "kvkit: sketch eps must be in (0, 1), got ", eps);
+    KVKIT_CHECK(std::isfinite(alpha) && alpha >= 1.0, "kvkit: sketch alpha must be >= 1, got ", alpha);
+    KVKIT_CHECK(jl_dim >= 1 && jl_dim <= 64, "kvkit: sketch JL dimension m must be in [1, 64], got ", jl_dim);
+    KVKIT_CHECK(fd_rows >= 1 && fd_rows <= 64, "kvkit: sketch FD rows l must be in [1, 64], got ", fd_rows);
+    KVKIT_CHECK(group_pages >= 1, "kvkit: sketch group size (pages) must be >= 1, got ", group_pages);
+    KVKIT_CHECK(last_n >= 1, "kvkit: sketch last_n must be >= 1, got ", last_n);
+    KVKIT_CHECK(top_pages >= 0, "kvkit: sketch top_pages must be >= 0 (0: no cap), got ", top_pages);
+    KVKIT_CHECK(static_cast<int>(method) <= 3, "kvkit: unknown sketch method ", static_cast<int>(method));
+  }
+};
+
+/// Summary bytes of one (layer, kv head, group), per component (seed §7/§17 formulas).
+struct SummaryBytes {
+  std::int64_t box = 0, scalars = 0, jl = 0, fd = 0, one_pc = 0;
+  std::int64_t total() const { return box + scalars + jl + fd + one_pc; }
+};
+inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::int32_t l) {
+  SummaryBytes b;
+  b.box = 8LL * head_dim;
+  b.scalars = 8;
+  b.jl = 4LL * m * m;
+  b.fd = 4LL * l * head_dim + 4LL * head_dim + 12;  // rows, centre, Δ, Σ‖k-c‖², rows used
+  b.one_pc = head_dim + 12;
+  return b;
+}
+
+/// Per-step counters of select() (summed over the batch and kv heads of one call).
+struct SketchTelemetry {
+  std::int64_t pages_total = 0;       // pages of every (sequence, kv head)
+  std::int64_t pages_visited = 0;     // pages in the subsets
+  std::int64_t bytes_kv_read_est = 0; // K+V bytes of the visited tokens
+  std::int64_t summaries_rebuilt = 0; // groups re-read from the view by sync()
+  double prepass_seconds = 0;         // select() wall time
+  double certified_omitted_max = 0;   // max over (sequence, query head) of the omitted-mass bound
+  void add(const SketchTelemetry& t) {
+    pages_total += t.pages_total;
+    pages_visited += t.pages_visited;
+    bytes_kv_read_est += t.bytes_kv_read_est;
+    summaries_rebuilt += t.summaries_rebuilt;
+    prepass_seconds += t.prepass_seconds;
+    certified_omitted_max = std::max(certified_omitted_max, t.certified_omitted_max);
+  }
+};
+
+namespace detail {
+
+/// Cyclic Jacobi eigen-decomposition of the symmetric n×n `a` (row-major, destroyed: its
+/// diagonal ends as the eigenvalues); `v` receives the eigenvectors as columns.
+inline void jacobi_eigen(double* a /* [n*n] */, double* v /* [n*n] */, int n) {
+  for (int i = 0; i < n * n; ++i) v[i] = 0.0;
+  for (int i = 0; i < n; ++i) v[i * n + i] = 1.0;
+  for (int sweep = 0; sweep < 50; ++sweep) {
+    double off = 0.0, diag = 0.0;
+    for (int i = 0; i < n; ++i) {
+      diag += a[i * n + i] * a[i * n + i];
+      for (int j = i + 1; j < n; ++j) off += a[i * n + j] * a[i * n + j];
+    }
+    if (off <= 1e-30 * diag || off == 0.0) break;
+    for (int p = 0; p < n; ++p)
+      for (int q = p + 1; q < n; ++q) {
+        const double apq = a[p * n + q];
+        if (apq == 0.0) continue;
+        const double theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
+        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1.0));
+        const double c = 1.0 / std::sqrt(t * t + 1.0), s = t * c;
+        for (int k = 0; k < n; ++k) {  // columns p, q
+          const double akp = a[k * n + p], akq = a[k * n + q];
+          a[k * n + p] = c * akp - s * akq;
+          a[k * n + q] = s * akp + c * akq;
+        }
+        for (int k = 0; k < n; ++k) {  // rows p, q
+          const double apk = a[p * n + k], aqk = a[q * n + k];
+          a[p * n + k] = c * apk - s * aqk;
+          a[q * n + k] = s * apk + c * aqk;
+        }
+        for (int k = 0; k < n; ++k) {
+          const double vkp = v[k * n + p], vkq = v[k * n + q];
+          v[k * n + p] = c * vkp - s * vkq;
+          v[k * n + q] = s * vkp + c * vkq;
+        }
+      }
+  }
+}
+
+/// Smallest float >= x (so a stored bound never rounds below the double it came from).
+inline float round_up_float(double x) {
+  float f = static_cast<float>(x);
+  if (static_cast<double>(f) < x) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+
+}  // namespace detail
+
+/// Summaries of every group of one engine's KV pool, all layers. Groups are keyed by the
+/// physical id of their first page (see the file comment); at most `max_groups` records
+/// per layer live at once (default: enough for every page to start a group), a group
+/// without a record is always visited.
+class SketchStore {
+ public:
+  /// Offsets (in floats) of one head's summary inside a record.
+  struct Layout {
+    std::int32_t box_min = 0, box_max = 0, jl = 0, fd = 0, center = 0, sumsq = 0, maxnorm = 0, delta = 0,
+                 fd_used = 0, csumsq = 0, lambda1 = 0, resid = 0, u1_scale = 0, floats = 0;
+  };
+
+  SketchStore(const SketchParams& p, std::int32_t num_layers, std::int32_t num_kv_heads,
+              std::int32_t head_dim, std::int32_t page_size, std::int32_t num_pages,
+              std::int32_t max_groups = 0)
+      : p_(p), layers_(num_layers), hkv_(num_kv_heads), d_(head_dim), page_size_(page_size),
+        num_pages_(num_pages) {
+    p_.validate();
+    KVKIT_CHECK(num_layers > 0, "kvkit: sketch num_layers must be > 0, got ", num_layers);
+    KVKIT_CHECK(num_kv_heads > 0, "kvkit: sketch num_kv_heads must be > 0, got ", num_kv_heads);
+    KVKIT_CHECK(head_dim > 0, "kvkit: sketch head_dim must be > 0, got ", head_dim);
+    KVKIT_CHECK(page_size > 0, "kvkit: sketch page_size must be > 0, got ", page_size);
+    KVKIT_CHECK(num_pages > 0, "kvkit: sketch num_pages must be > 0, got ", num_pages);
+    KVKIT_CHECK(max_groups >= 0, "kvkit: sketch max_groups must be >= 0, got ", max_groups);
+    KVKIT_CHECK(p_.head_on.empty() || p_.head_on.size() == static_cast<std::size_t>(num_layers) * num_kv_heads,
+                "kvkit: sketch head_on has ", p_.head_on.size(), " entries, expected layers x kv heads = ",
+                static_cast<std::int64_t>(num_layers) * num_kv_heads);
+    cap_ = max_groups > 0 ? max_groups : num_pages;
+    const std::int32_t m = p_.jl_dim, l = p_.fd_rows;
+    Layout& L = lay_;
+    std::int32_t o = 0;
+    L.box_min = o; o += d_;
+    L.box_max = o; o += d_;
+    L.jl = o; o += m * m;
+    L.fd = o; o += l * d_;
+    L.center = o; o += d_;
+    L.sumsq = o++; L.maxnorm = o++; L.delta = o++; L.fd_used = o++; L.csumsq = o++;
+    L.lambda1 = o++; L.resid = o++; L.u1_scale = o++;
+    L.floats = o;
+    const std::size_t recs = static_cast<std::size_t>(layers_) * cap_;
+    data_.assign(recs * hkv_ * L.floats, 0.f);
+    u1_.assign(recs * hkv_ * d_, 0);
+    rec_pages_.assign(recs * p_.group_pages, -1);
+    rec_versions_.assign(recs * p_.group_pages, 0);
+    rec_count_.assign(recs, 0);
+    rec_key_.assign(recs, -1);
+    slot_.assign(static_cast<std::size_t>(layers_) * num_pages_, -1);
+    version_.assign(static_cast<std::size_t>(num_pages_), 1);
+    free_.resize(static_cast<std::size_t>(layers_));
+    for (std::int32_t ly = 0; ly < layers_; ++ly) {
+      free_[ly].reserve(cap_);
+      for (std::int32_t r = cap_ - 1; r >= 0; --r) free_[ly].push_back(r);
+    }
+    live_.assign(static_cast<std::size_t>(layers_), 0);
+    // Φ per kv head: ±1 from a fixed-seed generator (the same for every run and machine).
+    phi_.assign(static_cast<std::size_t>(hkv_) * d_ * m, 0.f);
+    std::mt19937_64 rng(p_.seed);
+    for (float& x : phi_) x = (rng() >> 63) ? 1.f : -1.f;
+    scratch_.assign(static_cast<std::size_t>(3 * d_ + 128 + 2 * l * l + l * d_ + l + m), 0.0);
+  }
+
+  const SketchParams& params() const { return p_; }
+  std::int32_t num_layers() const { return layers_; }
+  std::int32_t num_kv_heads() const { return hkv_; }
+  std::int32_t head_dim() const { return d_; }
+  std::int32_t page_size() const { return page_size_; }
+  std::int32_t num_pages() const { return num_pages_; }
+  const Layout& layout() const { return lay_; }
+  const float* phi(std::int32_t h) const { return phi_.data() + static_cast<std::size_t>(h) * d_ * p_.jl_dim; }
+  bool head_on(std::int32_t layer, std::int32_t h) const {
+    return p_.head_on.empty() || p_.head_on[static_cast<std::size_t>(layer) * hkv_ + h] != 0;
+  }
+
+  /// The host changed page `page`'s contents (kRewrite, a fresh allocation): every record
+  /// holding it is rebuilt when next used.
+  void page_changed(std::int32_t page) {
+    if (page >= 0 && page < num_pages_) ++version_[static_cast<std::size_t>(page)];
+  }
+  /// The host freed `page` (refcount 0): the records it keys are dropped.
+  void page_freed(std::int32_t page) {
+    if (page < 0 || page >= num_pages_) return;
+    ++version_[static_cast<std::size_t>(page)];
+    for (std::int32_t ly = 0; ly < layers_; ++ly) drop(ly, page);
+  }
+
+  /// Summary bytes in use: live records x kv heads x summary_bytes, plus Φ (1 byte an entry).
+  std::int64_t memory_bytes() const {
+    std::int64_t recs = 0;
+    for (std::int32_t n : live_) recs += n;
+    return recs * hkv_ * summary_bytes(d_, p_.jl_dim, p_.fd_rows).total() +
+           static_cast<std::int64_t>(hkv_) * d_ * p_.jl_dim;
+  }
+  std::int64_t live_groups(std::int32_t layer) const { return live_[static_cast<std::size_t>(layer)]; }
+
+  /// Brings the summaries of every group of every sequence of `view` (layer `layer`) up to
+  /// date: new tokens of a valid record are added (each key read once), stale or missing
+  /// records are rebuilt from the view. Returns the number of groups rebuilt. Never
+  /// allocates; a group that finds no free record stays unsummarised (always visited).
+  template <class T>
+  std::int64_t sync(std::int32_t layer, const PagedKVView<T>& view) {
+    std::int64_t rebuilt = 0;
+    const std::int32_t g = p_.group_pages;
+    for (std::int32_t b = 0; b < view.batch_size; ++b) {
+      const std::int32_t len = view.seq_len(b), np = view.num_pages(b);
+      for (std::int32_t j0 = 0; j0 < np; j0 += g) {
+        const std::int32_t key = view.page_id(b, j0);
+        const std::int32_t gp = std::min(g, np - j0);
+        const std::int32_t ntok = std::min(len - j0 * page_size_, g * page_size_);
+        std::int32_t r = slot_[idx(layer, key)];
+        bool fresh = false;
+        if (r < 0) {
+          r = take(layer, key);
+          if (r < 0) continue;
+          fresh = true;
+        } else {
+          const std::size_t base = rec(layer, r) * g;
+          const std::int32_t have = rec_count_[rec(layer, r)];
+          bool same = have <= ntok;
+          for (std::int32_t i = 0; i < g && same; ++i) {
+            const std::int32_t want = i < gp ? view.page_id(b, j0 + i) : -1;
+            if (rec_pages_[base + i] < 0 && want >= 0 && have <= i * page_size_) {
+              // The group grew by a page since it was summarised: adopt it (appends only).
+              rec_pages_[base + i] = want;
+              rec_versions_[base + i] = version_[static_cast<std::size_t>(want)];
+              continue;
+            }
+            same = rec_pages_[base + i] == want &&
+                   (want < 0 || rec_versions_[base + i] == version_[static_cast<std::size_t>(want)]);
+          }
+          fresh = !same;
+        }
+        const std::size_t ri = rec(layer, r);
+        if (fresh) {
+          reset(layer, r);
+          const std::size_t base = ri * g;
+          for (std::int32_t i = 0; i < g; ++i) {
+            const std::int32_t pg = i < gp ? view.page_id(b, j0 + i) : -1;
+            rec_pages_[base + i] = pg;
+            rec_versions_[base + i] = pg < 0 ? 0 : version_[static_cast<std::size_t>(pg)];
+          }
+          if (ntok > 1) ++rebuilt;  // re-read the group's keys (beyond the newest token)
+        }
+        if (rec_count_[ri] == ntok) continue;
+        for (std::int32_t h = 0; h < hkv_; ++h) {
+          for (std::int32_t t = rec_count_[ri]; t < ntok; ++t) {
+            const T* k = view.k_ptr(b, j0 * page_size_ + t, h);
+            add_key(layer, r, h, k, t == 0);
+          }
+          refresh_one_pc(layer, r, h);
+        }
+        rec_count_[ri] = ntok;
+      }
+    }
+    return rebuilt;
+  }
+
+  /// Record of the group whose first page is `key` in `layer`, or -1.
+  std::int32_t record_of(std::int32_t layer, std::int32_t key) const { return slot_[idx(layer, key)]; }
+  /// True when record r (of layer) summarises exactly the group of sequence b starting at
+  /// logical page j0 of `view` with all its tokens.
+  template <class T>
+  bool record_matches(std::int32_t layer, std::int32_t r, const PagedKVView<T>& view, std::int32_t b,
+                      std::int32_t j0) const {
+    const std::int32_t g = p_.group_pages, np = view.num_pages(b);
+    const std::int32_t gp = std::min(g, np - j0);
+    const std::int32_t ntok = std::min(view.seq_len(b) - j0 * page_size_, g * page_size_);
+    const std::size_t ri = rec(layer, r);
+    if (rec_count_[ri] != ntok) return false;
+    for (std::int32_t i = 0; i < g; ++i) {
+      const std::int32_t want = i < gp ? view.page_id(b, j0 + i) : -1;
+      if (rec_pages_[ri * g + i] != want) return false;
+      if (want >= 0 && rec_versions_[ri * g + i] != version_[static_cast<std::size_t>(want)]) return false;
+    }
+    return true;
+  }
+  /// Head h's summary floats of record r (see layout()).
+  const float* summary(std::int32_t layer, std::int32_t r, std::int32_t h) const {
+    return data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+  }
+  const std::int8_t* u1(std::int32_t layer, std::int32_t r, std::int32_t h) const {
+    return u1_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(d_);
+  }
+
+  /// Summarises a group directly from keys (tests, benchmarks): record for `key` in
+  /// `layer`, head h gets keys[0..n) (rows of d floats, stride `stride`). The record counts
+  /// n tokens and lists no pages (select() ignores it unless the page list matches).
+  template <class T>
+  std::int32_t summarise_keys(std::int32_t layer, std::int32_t key, std::int32_t h, const T* keys,
+                              std::int32_t n, std::int64_t stride) {
+    std::int32_t r = slot_[idx(layer, key)];
+    if (r < 0) {
+      r = take(layer, key);
+      KVKIT_CHECK(r >= 0, "kvkit: sketch store is full (", cap_, " groups)");
+      reset(layer, r);
+    }
+    for (std::int32_t t = 0; t < n; ++t) add_key(layer, r, h, keys + t * stride, t == 0 && rec_count_[rec(layer, r)] == 0);
+    refresh_one_pc(layer, r, h);
+    rec_count_[rec(layer, r)] = n;
+    return r;
+  }
+
+ private:
+  std::size_t idx(std::int32_t layer, std::int32_t page) const {
+    return static_cast<std::size_t>(layer) * num_pages_ + static_cast<std::size_t>(page);
+  }
+  std::size_t rec(std::int32_t layer, std::int32_t r) const {
+    return static_cast<std::size_t>(layer) * cap_ + static_cast<std::size_t>(r);
+  }
+  std::int32_t take(std::int32_t layer, std::int32_t key) {
+    auto& fl = free_[static_cast<std::size_t>(layer)];
+    if (fl.empty()) return -1;
+    const std::int32_t r = fl.back();
+    fl.pop_back();  // no allocation: pop from reserved storage
+    slot_[idx(layer, key)] = r;
+    rec_key_[rec(layer, r)] = key;
+    ++live_[static_cast<std::size_t>(layer)];
+    return r;
+  }
+  void drop(std::int32_t layer, std::int32_t key) {
+    std::int32_t& s = slot_[idx(layer, key)];
+    if (s < 0) return;
+    rec_key_[rec(layer, s)] = -1;
+    free_[static_cast<std::size_t>(layer)].push_back(s);  // capacity reserved: no allocation
+    --live_[static_cast<std::size_t>(layer)];
+    s = -1;
+  }
+  void reset(std::int32_t layer, std::int32_t r) {
+    const std::size_t ri = rec(layer, r);
+    rec_count_[ri] = 0;
+    for (std::int32_t h = 0; h < hkv_; ++h) {
+      float* s = data_.data() + (ri * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+      std::fill(s, s + lay_.floats, 0.f);
+      std::fill(s + lay_.box_min, s + lay_.box_min + d_, std::numeric_limits<float>::infinity());
+      std::fill(s + lay_.box_max, s + lay_.box_max + d_, -std::numeric_limits<float>::infinity());
+      std::fill(u1_.begin() + static_cast<std::ptrdiff_t>((ri * hkv_ + h) * d_),
+                u1_.begin() + static_cast<std::ptrdiff_t>((ri * hkv_ + h + 1) * d_), std::int8_t{0});
+    }
+  }
+
+  // One key into head h's summaries of record r: box, scalars, JL Gram, FD.
+  template <class T>
+  void add_key(std::int32_t layer, std::int32_t r, std::int32_t h, const T* kp, bool first) {
+    float* s = data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+    const std::int32_t m = p_.jl_dim, l = p_.fd_rows;
+    double* k = scratch_.data();  // [d]
+    double* y = k + d_;           // [m]
+    double nn = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c) {
+      const float x = to_float(kp[c]);
+      k[c] = x;
+      nn += static_cast<double>(x) * x;
+      s[lay_.box_min + c] = std::min(s[lay_.box_min + c], x);
+      s[lay_.box_max + c] = std::max(s[lay_.box_max + c], x);
+    }
+    s[lay_.sumsq] = detail::round_up_float(static_cast<double>(s[lay_.sumsq]) + nn);
+    s[lay_.maxnorm] = std::max(s[lay_.maxnorm], detail::round_up_float(std::sqrt(nn)));
+    const float* ph = phi(h);
+    for (std::int32_t a = 0; a < m; ++a) y[a] = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c)
+      for (std::int32_t a = 0; a < m; ++a) y[a] += k[c] * ph[c * m + a];
+    float* G = s + lay_.jl;
+    for (std::int32_t a = 0; a < m; ++a)
+      for (std::int32_t bb = 0; bb < m; ++bb) G[a * m + bb] += static_cast<float>(y[a] * y[bb]);
+    // Frequent Directions over the keys centred on the group's first key c (removes the
+    // common offset real keys share): append k - c; when all l rows are used, shrink.
+    float* ctr = s + lay_.center;
+    if (first) {
+      for (std::int32_t c = 0; c < d_; ++c) ctr[c] = static_cast<float>(k[c]);
+      return;  // k - c = 0
+    }
+    double cn = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c) {
+      k[c] -= ctr[c];
+      cn += k[c] * k[c];
+    }
+    s[lay_.csumsq] = detail::round_up_float(static_cast<double>(s[lay_.csumsq]) + cn);
+    std::int32_t used = static_cast<std::int32_t>(s[lay_.fd_used]);
+    float* B = s + lay_.fd;
+    if (used == l) {
+      fd_shrink(s, B, l);
+      used = static_cast<std::int32_t>(s[lay_.fd_used]);
+    }
+    for (std::int32_t c = 0; c < d_; ++c) B[used * d_ + c] = static_cast<float>(k[c]);
+    s[lay_.fd_used] = static_cast<float>(used + 1);
+  }
+
+  // B (used rows) -> rows sqrt(max(σ_i² - δ, 0)) v_iᵀ, δ = smallest σ²; keeps the nonzero rows.
+  void fd_shrink(float* s, float* B, std::int32_t l) {
+    double* M = scratch_.data() + 2 * d_ + 64;  // [l*l]
+    double* V = M + l * l;                      // [l*l]
+    double* R = V + l * l;                      // [l*d]
+    for (std::int32_t i = 0; i < l; ++i)
+      for (std::int32_t j = i; j < l; ++j) {
+        double acc = 0.0;
+        for (std::int32_t c = 0; c < d_; ++c) acc += static_cast<double>(B[i * d_ + c]) * B[j * d_ + c];
+        M[i * l + j] = M[j * l + i] = acc;
+      }
+    detail::jacobi_eigen(M, V, l);
+    // δ = the (⌊l/2⌋+1)-th largest σ² (the smallest for l = 1): frees about half the rows,
+    // so shrinks happen every ~l/2 keys (amortised O(l·d) per key; the bound stays
+    // certified, with ‖KᵀK − BᵀB‖ <= Δ <= 2‖K‖_F²/l).
+    double* ev = R + l * d_;  // [l]
+    for (std::int32_t i = 0; i < l; ++i) ev[i] = std::max(0.0, M[i * l + i]);
+    std::sort(ev, ev + l, [](double a, double b) { return a > b; });
+    const double delta = ev[std::min(l - 1, l / 2)];
+    // Right singular vectors: v_i = Bᵀ u_i / σ_i, new row = sqrt(σ² - δ) v_iᵀ.
+    std::int32_t out = 0;
+    for (std::int32_t i = 0; i < l; ++i) {
+      const double s2 = std::max(0.0, M[i * l + i]);
+      if (s2 - delta <= 1e-30 * std::max(1.0, s2) || s2 <= 0.0) continue;
+      const double f = std::sqrt((s2 - delta) / s2);
+      for (std::int32_t c = 0; c < d_; ++c) {
+        double acc = 0.0;
+        for (std::int32_t j = 0; j < l; ++j) acc += V[j * l + i] * B[j * d_ + c];
+        R[out * d_ + c] = acc * f;
+      }
+      ++out;
+    }
+    if (out == l) out = l - 1;  // degenerate (all σ equal): drop one row, δ already covers it
+    for (std::int32_t i = 0; i < out; ++i)
+      for (std::int32_t c = 0; c < d_; ++c) B[i * d_ + c] = static_cast<float>(R[i * d_ + c]);
+    for (std::int32_t i = out; i < l; ++i)
+      for (std::int32_t c = 0; c < d_; ++c) B[i * d_ + c] = 0.f;
+    s[lay_.delta] = detail::round_up_float(static_cast<double>(s[lay_.delta]) + delta);
+    s[lay_.fd_used] = static_cast<float>(out);
+  }
+
+  // 1-PC from the FD rows: u₁ = top right singular vector of B (int8 + scale), λ₁ = σ₁²,
+  // residual r² = Σ‖k‖² − λ₁.
+  void refresh_one_pc(std::int32_t layer, std::int32_t r, std::int32_t h) {
+    float* s = data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+    std::int8_t* u = u1_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(d_);
+    const std::int32_t n = static_cast<std::int32_t>(s[lay_.fd_used]);
+    const float* B = s + lay_.fd;
+    if (n == 0) return;
+    double* M = scratch_.data() + 2 * d_ + 64;
+    double* V = M + p_.fd_rows * p_.fd_rows;
+    double* R = V + p_.fd_rows * p_.fd_rows;
+    for (std::int32_t i = 0; i < n; ++i)
+      for (std::int32_t j = i; j < n; ++j) {
+        double acc = 0.0;
+        for (std::int32_t c = 0; c < d_; ++c) acc += static_cast<double>(B[i * d_ + c]) * B[j * d_ + c];
+        M[i * n + j] = M[j * n + i] = acc;
+      }
+    detail::jacobi_eigen(M, V, n);
+    std::int32_t top = 0;
+    for (std::int32_t i = 1; i < n; ++i)
+      if (M[i * n + i] > M[top * n + top]) top = i;
+    const double s2 = std::max(0.0, M[top * n + top]);
+    double amax = 0.0, norm = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c) {
+      double acc = 0.0;
+      for (std::int32_t j = 0; j < n; ++j) acc += V[j * n + top] * B[j * d_ + c];
+      R[c] = acc;
+      norm += acc * acc;
+    }
+    norm = std::sqrt(norm);
+    for (std::int32_t c = 0; c < d_; ++c) {
+      R[c] = norm > 0 ? R[c] / norm : 0.0;
+      amax = std::max(amax, std::fabs(R[c]));
+    }
+    const double scale = amax > 0 ? amax / 127.0 : 1.0;
+    for (std::int32_t c = 0; c < d_; ++c)
+      u[c] = static_cast<std::int8_t>(std::lround(std::max(-127.0, std::min(127.0, R[c] / scale))));
+    s[lay_.u1_scale] = static_cast<float>(scale);
+    s[lay_.lambda1] = static_cast<float>(s2);
+    s[lay_.resid] = static_cast<float>(std::max(0.0, static_cast<double>(s[lay_.csumsq]) - s2));
+  }
+
+  SketchParams p_;
+  std::int32_t layers_, hkv_, d_, page_size_, num_pages_, cap_ = 0;
+  Layout lay_;
+  std::vector<float> data_;                 // [layers, cap, Hkv, layout.floats]
+  std::vector<std::int8_t> u1_;             // [layers, cap, Hkv, d]
+  std::vector<std::int32_t> rec_pages_;     // [layers, cap, g] physical pages of the group
+  std::vector<std::uint32_t> rec_versions_; // [layers, cap, g] their versions when summarised
+  std::vector<std::int32_t> rec_count_;     // [layers, cap] tokens summarised
+  std::vector<std::int32_t> rec_key_;       // [layers, cap] first page (-1: free)
+  std::vector<std::int32_t> slot_;          // [layers, num_pages] record keyed by a first page
+  std::vector<std::uint32_t> version_;      // [num_pages]
+  std::vector<std::vector<std::int32_t>> free_;  // [layers] free records (capacity cap)
+  std::vector<std::int32_t> live_;          // [layers]
+  std::vector<float> phi_;                  // [Hkv, d, m] ±1
+  std::vector<double> scratch_;             // key, projections, FD eigen work
+};
+
+/// Upper and lower bounds on the logits q·k of one group for one query (see the file
+/// comment); `z` is Φᵀq of the group's kv head.
+struct GroupBounds {
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+  double box_hi = 0, box_lo = 0, norm = 0;
+  double fd = kInf, jl = kInf, one_pc = kInf;  // +inf when not computed (never a bound)
+};
+
+/// Which bounds group_bounds computes besides box and norm (always).
+enum BoundSet : unsigned { kBoundsFD = 1, kBoundsJL = 2, kBoundsOnePC = 4, kBoundsAll = 7 };
+
+namespace detail {
+/// Float sums of n products, 8 accumulators: |error| <= float_sum_slack(n) · Σ|terms|
+/// (a 2x margin over (n/8 + 8 + 1)·2⁻²⁴).
+inline double float_sum_slack(std::int32_t n) { return (n / 8 + 17) * 1.2e-7; }
+}  // namespace detail
+
+/// Bounds of head h's summary `s` (layout L of `store`) for query q (float, [d]); the
+/// box in float with 8 accumulators (vectorised) plus its rounding slack.
+inline GroupBounds group_bounds(const SketchStore& store, const float* s, const std::int8_t* u1,
+                                const float* q /* [d] */, double qnorm, const double* z /* [m] */,
+                                unsigned which = kBoundsAll) {
+  const SketchStore::Layout& L = store.layout();
+  const std::int32_t d = store.head_dim(), m = store.params().jl_dim;
+  GroupBounds g;
+  float h8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const float* mn = s + L.box_min;
+  const float* mxp = s + L.box_max;
+  std::int32_t c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int j = 0; j < 8; ++j) {
+      const float a = q[c + j] * mn[c + j], b = q[c + j] * mxp[c + j];
+      h8[j] += a > b ? a : b;
+      l8[j] += a > b ? b : a;
+      const float aa = std::fabs(a), bb = std::fabs(b);
+      m8[j] += aa > bb ? aa : bb;
+    }
+  for (; c < d; ++c) {
+    const float a = q[c] * mn[c], b = q[c] * mxp[c];
+    h8[0] += a > b ? a : b;
+    l8[0] += a > b ? b : a;
+    m8[0] += std::max(std::fabs(a), std::fabs(b));
+  }
+  double hi = 0, lo = 0, mag = 0;
+  for (int j = 0; j < 8; ++j) {
+    hi += h8[j];
+    lo += l8[j];
+    mag += m8[j];
+  }
+  const double slack = detail::float_sum_slack(d) * mag;
+  g.box_hi = hi + slack;
+  g.box_lo = lo - slack;
+  g.norm = qnorm * s[L.maxnorm] * (1 + 1e-12);
+  if ((which & (kBoundsFD | kBoundsOnePC)) == 0 && (which & kBoundsJL) == 0) return g;
+  std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
+  double qc = 0, qc_mag = 0;
+  for (std::int32_t c = 0; c < d; ++c) {
+    qc += static_cast<double>(q[c]) * s[L.center + c];
+    qc_mag += std::fabs(static_cast<double>(q[c]) * s[L.center + c]);
+  }
+  qc += 1e-9 * qc_mag;
+  double e = 0;
+  if ((which & kBoundsFD) == 0) used = 0;
+  for (std::int32_t i = 0; i < used; ++i) {
+    double acc = 0;
+    const float* row = s + L.fd + i * d;
+    for (std::int32_t c = 0; c < d; ++c) acc += static_cast<double>(row[c]) * q[c];
+    e += acc * acc;
+  }
+  // float storage of B perturbs BᵀB by ~1e-7 ‖B‖_F² <= 1e-7 Σ‖k-c‖²: covered by the slack.
+  e += (static_cast<double>(s[L.delta]) + 1e-5 * s[L.csumsq]) * qnorm * qnorm;
+  if (which & kBoundsFD) g.fd = qc + std::sqrt(e);
+  if ((which & kBoundsJL) == 0 && (which & kBoundsOnePC) == 0) return g;
+  double qf = 0;
+  const float* G = s + L.jl;
+  for (std::int32_t a = 0; a < m; ++a) {
+    double row = 0;
+    for (std::int32_t b = 0; b < m; ++b) row += static_cast<double>(G[a * m + b]) * z[b];
+    qf += row * z[a];
+  }
+  if (which & kBoundsJL) g.jl = std::sqrt(std::max(0.0, qf)) / m;
+  double dot = 0;
+  for (std::int32_t c = 0; c < d; ++c) dot += static_cast<double>(u1[c]) * q[c];
+  dot *= s[L.u1_scale];
+  if (which & kBoundsOnePC) g.one_pc = qc + std::sqrt(std::max(0.f, s[L.lambda1])) * std::fabs(dot) +
+             std::sqrt(std::max(0.f, s[L.resid])) * qnorm;
+  return g;
+}
+
+/// Bounds the selector needs for params p.
+inline unsigned bounds_needed(const SketchParams& p) {
+  if (p.method == SketchMethod::kFD) return kBoundsFD;
+  if (p.strict) return 0;
+  if (p.method == SketchMethod::kJL) return kBoundsJL;
+  return p.method == SketchMethod::kOnePC ? static_cast<unsigned>(kBoundsOnePC) : 0u;
+}
+
+/// The upper bound a selector with params p uses: certified (strict) or
+/// min(certified, α·estimate) (default mode).
+inline double upper_bound(const SketchParams& p, const GroupBounds& g) {
+  double cert = std::min(g.box_hi, g.norm);
+  if (p.method == SketchMethod::kFD) cert = std::min(cert, g.fd);
+  if (p.strict) return cert;
+  switch (p.method) {
+    case SketchMethod::kJL: return std::min(cert, p.alpha * g.jl);
+    case SketchMethod::kOnePC: return std::min(cert, p.alpha * g.one_pc);
+    default: return cert;
+  }
+}
+
+/// Decode-time pre-pass: page subsets per (sequence, kv head) for the page-subset variant
+/// of paged_decode_attention (DecodeAttentionParams::page_subset_indptr / page_subset).
+/// reserve() sizes every buffer once; select() never allocates.
+class SketchSelector {
+ public:
+  explicit SketchSelector(const SketchStore& store) : store_(&store) {}
+
+  /// Buffers for batches up to max_batch sequences of up to max_pages pages, num_qo_heads
+  /// query heads.
+  void reserve(std::int32_t max_batch, std::int32_t num_qo_heads, std::int32_t max_pages) {
+    KVKIT_CHECK(max_batch > 0 && num_qo_heads > 0 && max_pages > 0, "kvkit: sketch reserve needs positive sizes, got batch ",
+                max_batch, " heads ", num_qo_heads, " pages ", max_pages);
+    const std::int32_t hkv = store_->num_kv_heads(), g = store_->params().group_pages;
+    max_batch_ = max_batch;
+    hq_ = num_qo_heads;
+    max_pages_ = max_pages;
+    const std::int32_t groups = (max_pages + g - 1) / g;
+    indptr_.assign(static_cast<std::size_t>(max_batch) * hkv + 1, 0);
+    subset_.assign(static_cast<std::size_t>(max_batch) * hkv * max_pages, 0);
+    ub_.assign(static_cast<std::size_t>(groups), 0.0);
+    order_.assign(static_cast<std::size_t>(groups), 0);
+    tail_.assign(static_cast<std::size_t>(groups) + 1, 0.0);
+    rec_.assign(static_cast<std::size_t>(groups), -1);
+    visit_.assign(static_cast<std::size_t>(groups), 0);
+    always_.assign(static_cast<std::size_t>(groups), 0);
+    qbuf_.assign(static_cast<std::size_t>(store_->head_dim()), 0.f);
+    z_.assign(static_cast<std::size_t>(store_->params().jl_dim), 0.0);
+    omitted_.assign(static_cast<std::size_t>(max_batch) * num_qo_heads, 0.0);
+  }
+
+  /// Chooses the pages of every (sequence b, kv head) of `view` for queries q
+  /// [batch, Hq, d] scaled by sm_scale; fills indptr()/subset() (ascending logical page
+  /// indices, i.e. oldest to newest) and `tel`. The store must be sync()ed for this layer
+  /// and view. kInvalidArgument when the batch, heads or pages exceed reserve().
+  template <class T>
+  Status select(std::int32_t layer, const PagedKVView<T>& view, const T* q, std::int32_t num_qo_heads,
+                float sm_scale, SketchTelemetry* tel) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const SketchStore& st = *store_;
+    const SketchParams& p = st.params();
+    const std::int32_t hkv = st.num_kv_heads(), d = st.head_dim(), g = p.group_pages, P = st.page_size();
+    KVKIT_CHECK_STATUS(view.batch_size <= max_batch_ && num_qo_heads == hq_ && view.num_kv_heads == hkv &&
+                           view.head_dim == d,
+                       StatusCode::kInvalidArgument, "sketch select: batch ", view.batch_size, " heads ",
+                       num_qo_heads, " kv heads ", view.num_kv_heads, " head_dim ", view.head_dim,
+                       " outside the reserved batch ", max_batch_, " heads ", hq_);
+    const std::int32_t grp = num_qo_heads / hkv;
+    const double scale = sm_scale;
+    const unsigned need = bounds_needed(p);
+    SketchTelemetry t;
+    std::int32_t out = 0;
+    indptr_[0] = 0;
+    for (std::int32_t b = 0; b < view.batch_size; ++b) {
+      const std::int32_t np = view.num_pages(b), len = view.seq_len(b);
+      KVKIT_CHECK_STATUS(np <= max_pages_, StatusCode::kInvalidArgument, "sketch select: sequence row ", b,
+                         " has ", np, " pages, more than the reserved ", max_pages_);
+      const std::int32_t ng = (np + g - 1) / g;
+      for (std::int32_t h = 0; h < hkv; ++h) {
+        t.pages_total += np;
+        const bool on = st.head_on(layer, h);
+        for (std::int32_t j = 0; j < ng; ++j) {
+          const std::int32_t r = st.record_of(layer, view.page_id(b, j * g));
+          rec_[j] = r >= 0 && st.record_matches(layer, r, view, b, j * g) ? r : -1;
+          always_[j] = (!on || j >= ng - p.last_n || rec_[j] < 0) ? 1 : 0;
+          visit_[j] = always_[j];
+        }
+        for (std::int32_t gq = 0; gq < grp; ++gq) {
+          const std::int32_t hq = h * grp + gq;
+          if (!on) {  // pre-pass off for this head: every page read, nothing omitted
+            omitted_[static_cast<std::size_t>(b) * num_qo_heads + hq] = 0;
+            continue;
+          }
+          const T* qp = q + (static_cast<std::size_t>(b) * num_qo_heads + hq) * d;
+          double qn = 0;
+          for (std::int32_t c = 0; c < d; ++c) {
+            qbuf_[c] = to_float(qp[c]);
+            qn += static_cast<double>(qbuf_[c]) * qbuf_[c];
+          }
+          qn = std::sqrt(qn);
+          const float* ph = st.phi(h);
+          const std::int32_t m = p.jl_dim;
+          for (std::int32_t a = 0; a < m; ++a) z_[a] = 0;
+          for (std::int32_t c = 0; c < d; ++c)
+            for (std::int32_t a = 0; a < m; ++a) z_[a] += static_cast<double>(qbuf_[c]) * ph[c * m + a];
+          // Exact log-mass of the always-visited groups (online max; logits rounded down
+          // by their float error bound, so S stays a lower bound of their mass).
+          double mx = -std::numeric_limits<double>::infinity(), S = 0;
+          for (std::int32_t j = 0; j < ng; ++j) {
+            if (!always_[j]) continue;
+            for (std::int32_t t0i = j * g * P; t0i < std::min(len, (j + 1) * g * P); ++t0i) {
+              const double x = scale * logit_lo(view.k_ptr(b, t0i, h), d);
+              if (x > mx) {
+                S = S * std::exp(mx - x) + 1.0;
+                mx = x;
+              } else {
+                S += std::exp(x - mx);
+              }
+            }
+          }
+          // Upper log-mass bound of every other group.
+          std::int32_t nc = 0;
+          double ref = mx;
+          for (std::int32_t j = 0; j < ng; ++j) {
+            if (always_[j]) continue;
+            const GroupBounds gb = group_bounds(st, st.summary(layer, rec_[j], h), st.u1(layer, rec_[j], h),
+                                                qbuf_.data(), qn, z_.data(), need);
+            const std::int32_t ntok = std::min(len - j * g * P, g * P);
+            ub_[j] = std::log(static_cast<double>(ntok)) + scale * upper_bound(p, gb);
+            ref = std::max(ref, ub_[j]);
+            order_[nc++] = j;
+          }
+          if (!(S > 0) || !std::isfinite(mx)) {  // nothing always visited: visit everything
+            for (std::int32_t i = 0; i < nc; ++i) visit_[order_[i]] = 1;
+            omitted_[static_cast<std::size_t>(b) * num_qo_heads + hq] = 0;
+            continue;
+          }
+          // Walk the groups in decreasing bound order, scoring each visited group exactly
+          // (its mass joins S), and stop as soon as the bound on everything left is within
+          // ε·S. Masses are relative to `ref` >= every logit, so no exp overflows.
+          std::sort(order_.begin(), order_.begin() + nc, [&](std::int32_t a, std::int32_t c) {
+            return ub_[a] > ub_[c] || (ub_[a] == ub_[c] && a < c);
+          });
+          tail_[nc] = 0;
+          for (std::int32_t i = nc - 1; i >= 0; --i) tail_[i] = tail_[i + 1] + std::exp(ub_[order_[i]] - ref);
+          double s_rel = S * std::exp(mx - ref);
+          const std::int32_t lim = p.top_pages > 0 ? std::min(nc, std::max(1, p.top_pages / g)) : nc;
+          // No stop before index i0 is possible even if every visited group held its
+          // bound's mass: visit those without scoring; if that is all of them, score none.
+          std::int32_t i0 = 0;
+          for (double opt = s_rel; i0 < lim && tail_[i0] > p.eps * opt; ++i0) opt += tail_[i0] - tail_[i0 + 1];
+          std::int32_t i = 0;
+          for (; i < i0; ++i) visit_[order_[i]] = 1;
+          if (i0 < lim) {
+            for (std::int32_t k = 0; k < i0; ++k) s_rel += group_mass(view, b, h, order_[k], len, scale, ref);
+            for (; i < lim; ++i) {
+              if (tail_[i] <= p.eps * s_rel) break;
+              visit_[order_[i]] = 1;
+              s_rel += group_mass(view, b, h, order_[i], len, scale, ref);
+            }
+          }
+          // Omitted-mass bound: this head's skipped groups (a superset of what the union
+          // finally omits) against S; x/(x+S) grows with x and S <= Z, so it bounds M_Ω/Z.
+          const double om = tail_[i];
+          omitted_[static_cast<std::size_t>(b) * num_qo_heads + hq] = om > 0 ? om / (om + s_rel) : 0.0;
+        }
+        // Emit the union in ascending logical order.
+        for (std::int32_t j = 0; j < ng; ++j) {
+          if (!visit_[j]) continue;
+          const std::int32_t pe = std::min(np, (j + 1) * g);
+          for (std::int32_t pg = j * g; pg < pe; ++pg) {
+            subset_[out++] = pg;
+            ++t.pages_visited;
+            const std::int32_t ntok = pg == np - 1 ? len - pg * P : P;
+            t.bytes_kv_read_est += static_cast<std::int64_t>(ntok) * (view.head_dim + view.v_head_dim) *
+                                   static_cast<std::int64_t>(sizeof(T));
+          }
+        }
+        indptr_[static_cast<std::size_t>(b) * hkv + h + 1] = out;
+        for (std::int32_t gq = 0; gq < grp; ++gq)
+          t.certified_omitted_max =
+              std::max(t.certified_omitted_max, omitted_[static_cast<std::size_t>(b) * num_qo_heads + h * grp + gq]);
+      }
+    }
+    t.prepass_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (tel != nullptr) *tel = t;
+    return Status::ok();
+  }
+
+  const std::int32_t* indptr() const { return indptr_.data(); }  // [batch * Hkv + 1]
+  const std::int32_t* subset() const { return subset_.data(); }  // [indptr()[batch * Hkv]]
+  /// Omitted-mass bound of (row b, query head hq) from the last select(): certified in
+  /// strict mode (>= the true omitted softmax fraction), an estimate otherwise.
+  double omitted_bound(std::int32_t b, std::int32_t hq) const {
+    return omitted_[static_cast<std::size_t>(b) * hq_ + hq];
+  }
+
+ private:
+  // q·k in float (8 accumulators, vectorised) minus its rounding error bound.
+  template <class T>
+  double logit_lo(const T* k, std::int32_t d) const {
+    float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::int32_t c = 0;
+    for (; c + 8 <= d; c += 8)
+      for (int j = 0; j < 8; ++j) {
+        const float x = qbuf_[c + j] * to_float(k[c + j]);
+        a8[j] += x;
+        m8[j] += std::fabs(x);
+      }
+    for (; c < d; ++c) {
+      const float x = qbuf_[c] * to_float(k[c]);
+      a8[0] += x;
+      m8[0] += std::fabs(x);
+    }
+    double acc = 0, mag = 0;
+    for (int j = 0; j < 8; ++j) {
+      acc += a8[j];
+      mag += m8[j];
+    }
+    return acc - detail::float_sum_slack(d) * mag;
+  }
+  // Σ exp(s·q·k − ref) over group j's tokens (a lower bound of its mass relative to ref).
+  template <class T>
+  double group_mass(const PagedKVView<T>& view, std::int32_t b, std::int32_t h, std::int32_t j, std::int32_t len,
+                    double scale, double ref) const {
+    const std::int32_t g = store_->params().group_pages, P = store_->page_size(), d = store_->head_dim();
+    double m = 0;
+    for (std::int32_t tk = j * g * P; tk < std::min(len, (j + 1) * g * P); ++tk)
+      m += std::exp(scale * logit_lo(view.k_ptr(b, tk, h), d) - ref);
+    return m;
+  }
+
+  const SketchStore* store_;
+  std::int32_t max_batch_ = 0, hq_ = 0, max_pages_ = 0;
+  std::vector<std::int32_t> indptr_, subset_, order_, rec_;
+  std::vector<double> ub_, tail_, z_, omitted_;
+  std::vector<std::uint8_t> visit_, always_;
+  std::vector<float> qbuf_;
+};
+
+}  // namespace sketch
+}  // namespace kvkit

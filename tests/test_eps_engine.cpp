@@ -1,0 +1,161 @@
+// EpsPolicy (examples/engine/eps_policy.hpp) in the example engine: decoding with the
+// page-subset attention the pre-pass picks matches the full-cache engine (same greedy
+// tokens, logits within what the certified omitted mass allows), prefilled pages are
+// summarised lazily at the first attention call, page events (fork, truncation, release)
+// keep the summaries exact, and the summary bytes are a registered pool.
+// Runs on stories260K when present, and always on the synthetic stories260K-shaped model.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.hpp"
+#include "engine/eps_policy.hpp"
+
+using namespace kvkit;
+using namespace kvkit::engine;
+
+namespace {
+
+const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
+
+struct NamedModel {
+  std::string name;
+  std::shared_ptr<const Checkpoint> ck;
+};
+
+std::vector<NamedModel> models() {
+  std::vector<NamedModel> m;
+  m.push_back({"synthetic", std::make_shared<const Checkpoint>(default_synthetic_checkpoint())});
+  if (std::filesystem::exists(kModelPath))
+    m.push_back({"stories260K", std::make_shared<const Checkpoint>(load_checkpoint(kModelPath))});
+  else
+    WARN("skipped: no model file " << kModelPath << " (runs on the synthetic model only)");
+  return m;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][engine]") {
+  for (const NamedModel& nm : models()) {
+    for (sketch::SketchMethod method : {sketch::SketchMethod::kBox, sketch::SketchMethod::kFD}) {
+      CAPTURE(nm.name, sketch::to_string(method));
+      EngineOptions o;
+      o.page_size = 8;
+      o.max_batch = 2;
+      Engine full(nm.ck, o), eng(nm.ck, o);
+      sketch::SketchParams p;
+      p.strict = true;
+      p.eps = 1e-2;
+      p.method = method;
+      p.group_pages = 2;
+      EpsPolicy pol(p);
+      pol.attach(eng);
+      const std::vector<std::int32_t> prompt = {1, 200, 300, 40, 55};
+      full.add_sequence(prompt);
+      full.add_sequence({1, 7});
+      eng.add_sequence(prompt);
+      eng.add_sequence({1, 7});
+      const int steps = std::min(160, nm.ck->config().seq_len - 2);
+      double worst = 0;
+      for (int s = 0; s < steps; ++s) {
+        full.step();
+        eng.step();
+        for (SeqId id : full.sequences()) worst = std::max(worst, max_abs_diff(full.last_logits(id), eng.last_logits(id)));
+      }
+      for (SeqId id : full.sequences()) REQUIRE(full.tokens(id) == eng.tokens(id));
+      const sketch::SketchTelemetry& t = pol.telemetry();
+      INFO("pages visited " << t.pages_visited << " of " << t.pages_total << ", max logit diff " << worst);
+      REQUIRE(t.pages_total > 0);
+      REQUIRE(t.pages_visited <= t.pages_total);
+      REQUIRE(t.certified_omitted_max <= p.eps * (1 + 1e-9));
+      REQUIRE(worst < 0.05);
+      if (nm.name == "stories260K") REQUIRE(t.pages_visited < t.pages_total);  // pages were skipped
+      REQUIRE(eng.pool_bytes("eps_summaries") == pol.store()->memory_bytes());
+      REQUIRE(eng.kv_bytes_in_use() == eng.pages_bytes(eng.pages_in_use()) + pol.store()->memory_bytes());
+    }
+  }
+}
+
+TEST_CASE("eps engine: prefilled pages are summarised at the first attention call, then only appended",
+          "[eps][engine]") {
+  const auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
+  EngineOptions o;
+  o.page_size = 4;
+  o.max_batch = 1;
+  Engine eng(ck, o), full(ck, o);
+  sketch::SketchParams p;
+  p.strict = true;
+  p.group_pages = 2;
+  EpsPolicy pol(p);
+  pol.attach(eng);
+  std::vector<std::int32_t> prompt = {1};
+  for (int i = 0; i < 60; ++i) prompt.push_back(3 + (i * 37) % 200);
+  const SeqId id = eng.add_sequence(prompt);
+  const SeqId fid = full.add_sequence(prompt);
+  REQUIRE(eng.prefill(id) == 60);
+  REQUIRE(full.prefill(fid) == 60);
+  eng.step();
+  full.step();
+  const std::int64_t after_first = pol.telemetry().summaries_rebuilt;
+  // 60 prefilled + 1 new token = 16 pages = 8 groups of 2 pages, read once per layer.
+  REQUIRE(after_first == 8 * ck->config().n_layers);
+  for (int s = 0; s < 20; ++s) {
+    eng.step();
+    full.step();
+  }
+  REQUIRE(pol.telemetry().summaries_rebuilt == after_first);  // appends only
+  REQUIRE(eng.tokens(id) == full.tokens(fid));
+}
+
+TEST_CASE("eps engine: fork, truncation and release keep summaries exact", "[eps][engine]") {
+  const auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
+  EngineOptions o;
+  o.page_size = 4;
+  o.max_batch = 3;
+  Engine eng(ck, o), full(ck, o);
+  sketch::SketchParams p;
+  p.strict = true;
+  p.eps = 1e-4;
+  p.method = sketch::SketchMethod::kFD;
+  EpsPolicy pol(p);
+  pol.attach(eng);
+  const std::vector<std::int32_t> prompt = {1, 9, 8, 7, 6, 5, 4, 3, 2, 11, 12, 13, 14};
+  const SeqId a = eng.add_sequence(prompt), fa = full.add_sequence(prompt);
+  for (int s = 0; s < 30; ++s) {
+    eng.step();
+    full.step();
+  }
+  const SeqId b = eng.fork_sequence(a), fb = full.fork_sequence(fa);
+  for (int s = 0; s < 10; ++s) {
+    eng.step();
+    full.step();
+  }
+  eng.truncate_kv(a, 17);
+  full.truncate_kv(fa, 17);
+  for (int s = 0; s < 10; ++s) {
+    eng.step();
+    full.step();
+  }
+  REQUIRE(eng.tokens(a) == full.tokens(fa));
+  REQUIRE(eng.tokens(b) == full.tokens(fb));
+  REQUIRE(max_abs_diff(eng.last_logits(a), full.last_logits(fa)) < 0.05);
+  REQUIRE(pol.telemetry().certified_omitted_max <= p.eps * (1 + 1e-9));
+  eng.free_sequence(a);
+  eng.free_sequence(b);
+  // Only Φ is left once every page is released.
+  REQUIRE(pol.store()->memory_bytes() ==
+          static_cast<std::int64_t>(ck->config().n_kv_heads) * ck->config().head_dim() * p.jl_dim);
+}
