@@ -52,10 +52,20 @@ inline PolicyEntry none_policy_entry() {
   return e;
 }
 
+}  // namespace cli
+}  // namespace kvkit
+
+// Policy families (each needs PolicyEntry above).
+#include "cli/policy_kvchan.hpp"
+
+namespace kvkit {
+namespace cli {
+
 /// Every policy family the CLI knows, in --help order.
 inline std::vector<PolicyEntry> all_policies() {
   std::vector<PolicyEntry> v;
   v.push_back(none_policy_entry());
+  v.push_back(kvchan_policy_entry());
   // One line per family (with its #include above), e.g. v.push_back(r1kv_policy_entry());
   return v;
 }
