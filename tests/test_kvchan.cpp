@@ -12,7 +12,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sys/wait.h>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -687,3 +691,65 @@ TEST_CASE("engine: attach rejects bad parameters naming the value", "[kvchan][en
   KvchanPolicy pol(o);
   CHECK_THROWS_WITH(pol.attach(e), Contains("rK") && Contains("9"));
 }
+
+TEST_CASE("stable fraction: packing starts with part of the heads stable", "[kvchan]") {
+  ChannelParams p;
+  p.r_k = 2;
+  p.r_v = 2;
+  p.t_update = 1;
+  p.n_stable = 1;
+  p.ema_decay = 0.f;
+  p.min_stable_fraction = 0.5;
+  ChannelSelector s(p, 1, 2, 4, 1);
+  const float a[4] = {4, 3, 0, 0}, b[4] = {0, 0, 4, 3};
+  s.observe_kv(0, 0, a, a);
+  s.observe_kv(0, 1, a, a);
+  CHECK_FALSE(s.tick(1));
+  s.observe_kv(0, 0, a, a);  // head 0 stable, head 1 changes
+  s.observe_kv(0, 1, b, b);
+  CHECK(s.tick(1));
+  CHECK(s.stable_heads() == 1);
+  CHECK(s.phase() == ChannelPhase::kPacked);
+  CHECK(std::vector<std::int32_t>(s.packed_k(0), s.packed_k(0) + 4) == std::vector<std::int32_t>{0, 1, 2, 3});
+  p.min_stable_fraction = 0.0;
+  CHECK_THROWS_WITH(ChannelSelector(p, 1, 2, 4, 1), Catch::Matchers::Contains("stable fraction") &&
+                                                        Catch::Matchers::Contains("got 0"));
+}
+
+#if defined(KVKIT_CLI_PATH)
+TEST_CASE("CLI: bad kvchan options exit 2 naming the value", "[kvchan][cli]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  const std::string base = std::string(KVKIT_CLI_PATH) + " generate --model " + kStoriesPath + " --steps 4 ";
+  struct Case {
+    std::string args, want;
+  } cases[] = {{"--policy kvchan --rK 9", "rK must be in [1, head_dim 8], got 9"},
+               {"--policy kvchan --W 0", "W must be >= 1, got 0"},
+               {"--policy kvchan --N-stable 0", "N_stable must be >= 1, got 0"},
+               {"--policy kvchan --T-update -1", "T_update must be >= 1, got -1"},
+               {"--policy kvchan --rV 20", "rV must be in [1, head_dim 8]"},
+               {"--W 8", "--W needs --policy kvchan"}};
+  const std::string err = (std::filesystem::temp_directory_path() / "kvchan_cli_err.txt").string();
+  for (const Case& c : cases) {
+    const int rc = std::system((base + c.args + " > /dev/null 2> " + err).c_str());
+    std::ifstream f(err);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    INFO(c.args << " -> " << text);
+    CHECK(WIFEXITED(rc));
+    CHECK(WEXITSTATUS(rc) == 2);
+    CHECK(text.find(c.want) != std::string::npos);
+  }
+  // A good run packs and reports its counters.
+  const int rc = std::system((base.substr(0, base.find("--steps")) +
+                              "--steps 120 --policy kvchan --W 16 --rK 6 --rV 8 --T-update 4 --N-stable 1 "
+                              "--kvchan-retention 0.5 --kvchan-ema 0.99 --check-every 8 --json > " + err)
+                                 .c_str());
+  CHECK(rc == 0);
+  std::ifstream f(err);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  CHECK(text.find("\"packed_heads\"") != std::string::npos);
+  CHECK(text.find("\"backoffs\"") != std::string::npos);
+}
+#endif

@@ -14,6 +14,7 @@
 //   --kvchan-max-kl X     fidelity KL threshold in nats (default 0.01)
 //   --kvchan-ema A        EMA decay of the statistics (default 0.95)
 //   --kvchan-retention X  retention of a stable update (default 0.9)
+//   --kvchan-stable-frac X  fraction of stable heads that starts packing (default 1)
 //   --jsonl FILE     one JSON record per fidelity check
 
 #include <CLI/CLI.hpp>
@@ -32,7 +33,7 @@ inline PolicyEntry kvchan_policy_entry() {
     std::int32_t window = 128, r_k = 0, r_v = 0, check_every = 16, t_update = 16, n_stable = 3;
     bool no_k = false, compensate = false;
     std::string mode = "dynamic", score = "ema", jsonl;
-    double max_kl = 1e-2, ema = 0.95, retention = 0.9;
+    double max_kl = 1e-2, ema = 0.95, retention = 0.9, stable_frac = 1.0;
   };
   auto o = std::make_shared<Opts>();
   PolicyEntry e;
@@ -40,7 +41,7 @@ inline PolicyEntry kvchan_policy_entry() {
   e.option_names = {"--W",         "--rK",          "--rV",           "--check-every",
                     "--T-update",  "--N-stable",    "--no-k",         "--kvchan-mode",
                     "--kvchan-score", "--kvchan-compensate", "--kvchan-max-kl", "--kvchan-ema",
-                    "--kvchan-retention", "--jsonl"};
+                    "--kvchan-retention", "--kvchan-stable-frac", "--jsonl"};
   e.add_options = [o](CLI::App& g) {
     g.add_option("--W", o->window, "kvchan: full-width window of recent tokens (default 128)")->type_name("N");
     g.add_option("--rK", o->r_k, "kvchan: key dims kept per head (default head_dim/2)")->type_name("N");
@@ -66,6 +67,9 @@ inline PolicyEntry kvchan_policy_entry() {
     g.add_option("--kvchan-retention", o->retention,
                  "kvchan: retention a stable update needs, in (0, 1] (default 0.9)")
         ->type_name("X");
+    g.add_option("--kvchan-stable-frac", o->stable_frac,
+                 "kvchan: fraction of heads that must be stable before packing, in (0, 1] (default 1)")
+        ->type_name("X");
     g.add_option("--jsonl", o->jsonl, "kvchan: write one JSON record per fidelity check to FILE")->type_name("FILE");
   };
   e.make = [o](const std::string&, const engine::ModelConfig& c, const engine::EngineOptions& eo) {
@@ -87,6 +91,7 @@ inline PolicyEntry kvchan_policy_entry() {
     p.thresholds.max_kl = o->max_kl;
     p.ema_decay = static_cast<float>(o->ema);
     p.min_retention = o->retention;
+    p.min_stable_fraction = o->stable_frac;
     KVKIT_CHECK(o->r_v >= 0, "kvchan: rV must be in [1, head_dim ", c.head_dim(), "], got ", o->r_v);
     p.validate(c.head_dim());  // bad values are usage errors (exit 2) before the run
     ko.jsonl_path = o->jsonl;

@@ -12,8 +12,10 @@
 //      retention = |S_prev ∩ S_new| / r. A head is stable after `n_stable` consecutive
 //      updates with retention >= `min_retention` (0.9) for K (when compressed) and V (when
 //      rV < head_dim). The run starts in full mode (phase kProbing) and packs only when
-//      every head is stable (phase kPacked); the selection is then frozen: packed tokens
-//      were stored with it. Counters keep updating against the frozen sets.
+//      every head is stable (phase kPacked; min_stable_fraction < 1 relaxes this to that
+//      fraction of heads, the others packed with their latest sets, under the fidelity
+//      guard); the selection is then frozen: packed tokens were stored with it. Counters
+//      keep updating against the frozen sets.
 //   3. Packing: a token's K row keeps its rK selected dims, its V row its rV dims
 //      (pack_channels); unpacking scatters them back, zero on the dropped dims (or, for V
 //      with mean compensation, the mean of the dropped dim over the packed tokens, which
@@ -70,6 +72,7 @@ struct ChannelParams {
   std::int32_t t_update = 16;       // tokens between selection updates
   std::int32_t n_stable = 3;        // consecutive retained updates for stability
   double min_retention = 0.9;       // retention a stable update needs
+  double min_stable_fraction = 1.0; // packing starts when this fraction of heads is stable
   float ema_decay = 0.95f;          // a in ema <- a * ema + (1 - a) * |x|
   ChannelScore score = ChannelScore::kEma;
   std::int32_t think_window = 32;   // decode queries in the ThinK ||Q_d|| window
@@ -96,6 +99,8 @@ struct ChannelParams {
     KVKIT_CHECK(n_stable >= 1, "kvchan: N_stable must be >= 1, got ", n_stable);
     KVKIT_CHECK(min_retention > 0.0 && min_retention <= 1.0,
                 "kvchan: retention threshold must be in (0, 1], got ", min_retention);
+    KVKIT_CHECK(min_stable_fraction > 0.0 && min_stable_fraction <= 1.0,
+                "kvchan: stable fraction must be in (0, 1], got ", min_stable_fraction);
     KVKIT_CHECK(ema_decay >= 0.f && ema_decay < 1.f, "kvchan: EMA decay must be in [0, 1), got ",
                 ema_decay);
     KVKIT_CHECK(think_window >= 1, "kvchan: ThinK query window must be >= 1, got ", think_window);
@@ -352,7 +357,7 @@ class ChannelSelector {
         std::copy(nk.begin(), nk.end(), ok);
         std::copy(nv.begin(), nv.end(), ov);
       }
-    if (p_.mode == ChannelMode::kDynamic && phase_ == ChannelPhase::kProbing && all_stable()) {
+    if (p_.mode == ChannelMode::kDynamic && phase_ == ChannelPhase::kProbing && ready()) {
       phase_ = ChannelPhase::kPacked;
       frozen_k_ = sel_k_;
       frozen_v_ = sel_v_;
@@ -376,6 +381,10 @@ class ChannelSelector {
   std::int32_t counter(std::int32_t layer, std::int32_t head) const { return counter_[pair(layer, head)]; }
   double last_retention_k(std::int32_t layer, std::int32_t head) const { return last_ret_k_[pair(layer, head)]; }
   double last_retention_v(std::int32_t layer, std::int32_t head) const { return last_ret_v_[pair(layer, head)]; }
+  /// True when enough heads are stable to pack (all of them with the default fraction 1).
+  bool ready() const {
+    return static_cast<double>(stable_heads()) >= p_.min_stable_fraction * static_cast<double>(counter_.size()) - 1e-9;
+  }
   bool all_stable() const {
     for (std::int32_t c : counter_)
       if (c < p_.n_stable) return false;
