@@ -4,9 +4,10 @@
 // The math of the policy, engine-independent:
 //   1. Importance per (layer, kv head, dim d):
 //        EMA      ema_k[d] <- a * ema_k[d] + (1 - a) * |k_d|   (same for |v_d|), per token;
-//        ThinK    think_k[d] = ||Q_d|| * ||K_d||, ||Q_d||^2 = sum of q_d^2 of the group's query
-//                 heads over the last `think_window` decode queries, ||K_d||^2 an EMA of k_d^2
-//                 (option; values always use ema_v).
+//        ThinK    think_k[d] = ||Q_d|| * ||K_d||, ||Q_d||^2 = the sum of q_d^2 of the group's
+//                 query heads averaged over a window of about `think_window` decode queries
+//                 (an EMA with weight 1/think_window: no per-query ring to store), ||K_d||^2 an
+//                 EMA of k_d^2 (option; values always use ema_v).
 //   2. Selection: every `t_update` tokens the top-rK (keys) / top-rV (values) dims per
 //      (layer, head); ties go to the lower dim index; sets are stored ascending.
 //      retention = |S_prev ∩ S_new| / r. A head is stable after `n_stable` consecutive
@@ -75,7 +76,7 @@ struct ChannelParams {
   double min_stable_fraction = 1.0; // packing starts when this fraction of heads is stable
   float ema_decay = 0.95f;          // a in ema <- a * ema + (1 - a) * |x|
   ChannelScore score = ChannelScore::kEma;
-  std::int32_t think_window = 32;   // decode queries in the ThinK ||Q_d|| window
+  std::int32_t think_window = 32;   // ThinK ||Q_d|| averages about this many decode queries
   bool compress_k = true;           // false: keys stay full width (--no-k)
   bool mean_compensation = false;   // dropped V dims read as their mean over packed tokens
   std::int32_t check_every = 16;    // tokens between fidelity checks while packed (0: never)
@@ -250,11 +251,9 @@ class ChannelSelector {
     const std::size_t hd = pairs() * static_cast<std::size_t>(dim_);
     ema_k_.assign(hd, 0.f);
     ema_v_.assign(hd, 0.f);
-    ema_k2_.assign(hd, 0.f);
-    if (p_.score == ChannelScore::kThink) {  // the query window only exists for ThinK
-      q2_sum_.assign(hd, 0.0);
-      q2_ring_.assign(hd * static_cast<std::size_t>(p_.think_window), 0.f);
-      q_ring_pos_.assign(pairs(), 0);
+    if (p_.score == ChannelScore::kThink) {  // k^2 and query statistics: ThinK only
+      ema_k2_.assign(hd, 0.f);
+      q2_.assign(hd, 0.f);
     }
     sel_k_.assign(pairs() * static_cast<std::size_t>(rk_), 0);
     sel_v_.assign(pairs() * static_cast<std::size_t>(rv_), 0);
@@ -289,8 +288,9 @@ class ChannelSelector {
     for (std::int32_t d = 0; d < dim_; ++d) {
       ema_k_[o + d] = a * ema_k_[o + d] + b * std::fabs(k[d]);
       ema_v_[o + d] = a * ema_v_[o + d] + b * std::fabs(v[d]);
-      ema_k2_[o + d] = a * ema_k2_[o + d] + b * k[d] * k[d];
     }
+    if (!ema_k2_.empty())
+      for (std::int32_t d = 0; d < dim_; ++d) ema_k2_[o + d] = a * ema_k2_[o + d] + b * k[d] * k[d];
   }
 
   /// One decode step's queries of the group of (layer, kv head), for ThinK's ||Q_d||.
@@ -298,23 +298,19 @@ class ChannelSelector {
                  const float* q) {  // [group, head_dim]
     if (p_.score != ChannelScore::kThink) return;
     const std::size_t o = at(layer, head);
-    const std::size_t pi = o / static_cast<std::size_t>(dim_);
-    float* slot = q2_ring_.data() + (o * p_.think_window) +
-                  static_cast<std::size_t>(q_ring_pos_[pi]) * static_cast<std::size_t>(dim_);
+    const float w = 1.f / static_cast<float>(p_.think_window);
     for (std::int32_t d = 0; d < dim_; ++d) {
       float s = 0.f;
       for (std::int32_t g = 0; g < group_; ++g) s += q[static_cast<std::size_t>(g) * dim_ + d] * q[static_cast<std::size_t>(g) * dim_ + d];
-      q2_sum_[o + d] += static_cast<double>(s) - slot[d];
-      slot[d] = s;
+      q2_[o + d] += w * (s - q2_[o + d]);
     }
-    q_ring_pos_[pi] = (q_ring_pos_[pi] + 1) % p_.think_window;
   }
 
   /// Key score of dim d of (layer, head) under the configured score.
   float key_score(std::int32_t layer, std::int32_t head, std::int32_t d) const {
     const std::size_t o = at(layer, head) + static_cast<std::size_t>(d);
     if (p_.score == ChannelScore::kEma) return ema_k_[o];
-    return static_cast<float>(std::sqrt(std::max(0.0, q2_sum_[o])) * std::sqrt(ema_k2_[o]));
+    return std::sqrt(q2_[o]) * std::sqrt(ema_k2_[o]);
   }
   const float* ema_k(std::int32_t layer, std::int32_t head) const { return ema_k_.data() + at(layer, head); }
   const float* ema_v(std::int32_t layer, std::int32_t head) const { return ema_v_.data() + at(layer, head); }
@@ -411,10 +407,10 @@ class ChannelSelector {
   /// Bytes of the selector's state (statistics, sets, counters): policy metadata.
   std::int64_t metadata_bytes() const {
     return static_cast<std::int64_t>(
-        sizeof(float) * (ema_k_.size() + ema_v_.size() + ema_k2_.size() + q2_ring_.size()) +
-        sizeof(double) * (q2_sum_.size() + last_ret_k_.size() + last_ret_v_.size()) +
+        sizeof(float) * (ema_k_.size() + ema_v_.size() + ema_k2_.size() + q2_.size()) +
+        sizeof(double) * (last_ret_k_.size() + last_ret_v_.size()) +
         sizeof(std::int32_t) * (sel_k_.size() + sel_v_.size() + frozen_k_.size() + frozen_v_.size() +
-                                counter_.size() + q_ring_pos_.size()));
+                                counter_.size()));
   }
 
  private:
@@ -427,9 +423,7 @@ class ChannelSelector {
   ChannelParams p_;
   std::int32_t layers_, heads_, dim_, group_, rk_ = 0, rv_ = 0;
   std::vector<float> ema_k_, ema_v_, ema_k2_;  // [L, Hkv, D]
-  std::vector<double> q2_sum_;                 // [L, Hkv, D] sum over the ring
-  std::vector<float> q2_ring_;                 // [L, Hkv, think_window, D]
-  std::vector<std::int32_t> q_ring_pos_;       // [L, Hkv]
+  std::vector<float> q2_;                      // [L, Hkv, D] ThinK: windowed mean of sum_g q_d^2
   std::vector<std::int32_t> sel_k_, sel_v_;        // [L, Hkv, r] latest sets
   std::vector<std::int32_t> frozen_k_, frozen_v_;  // [L, Hkv, r] sets of packed pages
   std::vector<std::int32_t> counter_;              // [L, Hkv]
