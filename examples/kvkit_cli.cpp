@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cmd_probe.hpp"
 #include "cli/policies.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
@@ -117,6 +118,7 @@ struct Options {
   bool system_given = false;
   bool max_tokens_given = false;
   bool steps_given = false;
+  kvkit::cli::ProbeOptions probe;  // `kvkit probe` (cli/cmd_probe.hpp)
   // --policy (examples/cli/policies.hpp) and --compare-full.
   std::string policy;
   bool compare_full = false;
@@ -242,6 +244,7 @@ bool parse_args(int argc, char** argv, Options& o) {
   CLI::App* chat = app.add_subcommand("chat", "interactive multi-turn chat with a GGUF model: one user turn per stdin line, the conversation's KV kept between turns");
   add_engine_options(*chat, o, false);
   add_text_options(*chat, o, true);
+  CLI::App* probe = kvkit::cli::add_probe_command(app, o.probe);
   CLI::App* trace = app.add_subcommand("trace", "greedy decoding of one sequence; writes per-layer K/V/Q, tokens and logits as .npy");
   add_engine_options(*trace, o);
   trace->add_option("--out", o.out, "output folder (created if missing)")
@@ -255,12 +258,12 @@ bool parse_args(int argc, char** argv, Options& o) {
   for (const std::string& a : args) help = help || a == "--help" || a == "-h";
   if (args.empty()) throw UsageError("missing command (try kvkit --help)");
   if (args[0].empty() ||
-      (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace" && args[0] != "chat")) {
+      (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace" && args[0] != "chat" && args[0] != "probe")) {
     if (help) {
       std::cout << app.help();
       return false;
     }
-    throw UsageError("unknown command '" + args[0] + "' (expected generate, chat or trace)");
+    throw UsageError("unknown command '" + args[0] + "' (expected generate, chat, trace or probe)");
   }
   try {
     app.parse(argc, argv);
@@ -276,6 +279,7 @@ bool parse_args(int argc, char** argv, Options& o) {
   } catch (const CLI::ParseError& e) {
     throw UsageError(e.what());
   }
+  if (probe->parsed()) return o.command = "probe", true;
   o.command = gen->parsed() ? "generate" : chat->parsed() ? "chat" : "trace";
   CLI::App* cmd = gen->parsed() ? gen : chat->parsed() ? chat : trace;
   o.page_size_given = cmd->count("--page-size") > 0;
@@ -1081,6 +1085,7 @@ int main(int argc, char** argv) {
   try {
     Options o;
     if (!parse_args(argc, argv, o)) return 0;
+    if (o.command == "probe") return kvkit::cli::run_probe(o.probe);
     if (o.command == "chat") return cmd_chat(o);
     return o.command == "generate" ? cmd_generate(o) : cmd_trace(o);
   } catch (const UsageError& e) {

@@ -57,6 +57,8 @@ inline PolicyEntry none_policy_entry() {
 
 #include "cli/policy_r1kv.hpp"  // after PolicyEntry: the family headers use it
 #include "cli/policy_eps.hpp"  // after PolicyEntry: the family headers use it
+// Policy families (each needs PolicyEntry above).
+#include "cli/policy_kvchan.hpp"
 
 namespace kvkit {
 namespace cli {
@@ -66,6 +68,7 @@ inline std::vector<PolicyEntry> all_policies() {
   std::vector<PolicyEntry> v;
   v.push_back(none_policy_entry());
   v.push_back(r1kv_policy_entry());
+  v.push_back(kvchan_policy_entry());
   // One line per family (with its #include above), e.g. v.push_back(r1kv_policy_entry());
   v.push_back(eps_policy_entry());
   return v;

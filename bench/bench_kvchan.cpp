@@ -1,0 +1,471 @@
+// bench_kvchan: the ChannelSelector's two measurements.
+//
+// 1. Timing (Google Benchmark, default): decode attention with the old tokens packed
+//    (channel_attention: channel-restricted kernel over rK/rV pages + full-width window,
+//    merged by LSE) against dense paged_decode_attention over the same tokens, timed in
+//    the same process, one thread, both timed in thread CPU time and interleaved per
+//    iteration. Counters: dense_us, packed_us, ratio = packed / dense,
+//    saved = fraction of KV bytes saved, goal = (1 - saved) / 0.8 (met when ratio <= goal).
+//
+// 2. Fidelity (--kvkit_fidelity [--kvkit_models DIR]): attention KL tables, no timing.
+//    Traces: a synthetic trace with outlier channels, stories260K and SmolLM2-135M (the
+//    seed's three code prompts of examples/prompts/suite.json, as ChatML user turns) when
+//    the model files exist. A trace = every token's K and the decode queries of every
+//    layer. The selection is calibrated on the first half of the decode steps (the
+//    ChannelSelector's own statistics: EMA of |k| or ThinK, fed in token order) and the
+//    attention KL(dense || packed) is measured per (decode step, layer, query head) on the
+//    second half, with tokens older than the window W read through the rK selected dims.
+//    Printed: median / p90 KL at 25 / 50 / 75 % of the key dims pruned for EMA and ThinK,
+//    and the KV bytes saved (packed K pages, V full width, window, metadata counted as the
+//    policy's memory_bytes() does) at the largest pruning whose median KL <= 1e-3 / 1e-2.
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvkit/channel/kvchan.hpp"
+#include "kvkit/channel/packed_store.hpp"
+#include "kvkit/kernels/cpu.hpp"
+#if defined(KVKIT_BENCH_KVCHAN_ENGINE)
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.hpp"
+#include "engine/gguf.hpp"
+#include "engine/gguf_checkpoint.hpp"
+#include "engine/tokenizer.hpp"
+#endif
+
+using namespace kvkit;
+
+namespace {
+
+bool g_small = false;
+
+// This thread's CPU time: the timed code is single-threaded (exec::Host{1}), and on a
+// shared, overloaded machine wall time mostly measures waiting for a core.
+double now_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// ---- 1. timing ------------------------------------------------------------------------
+
+struct AttnSetup {
+  std::int32_t B, Hkv, G, D, S, W, P, rk, rv;
+  std::vector<float> fk, fv;          // full-width pool (dense: all S tokens)
+  std::vector<std::int32_t> f_indptr, f_indices, f_last;
+  std::unique_ptr<channel::PackedPagePool<float>> pool;  // old tokens packed
+  std::vector<std::int32_t> o_indptr, o_indices, o_last;
+  std::vector<std::int32_t> w_indptr, w_indices, w_last;  // window pages (in the full pool)
+  std::vector<std::int32_t> ksel, vsel;
+  std::vector<float> q, out;
+  PagedKVView<float> dense_view, window_view, old_view;
+  DecodeAttentionParams dense{}, packed{};
+  std::vector<unsigned char> ws_dense, ws_packed;
+};
+
+std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32_t rk, std::int32_t rv) {
+  auto s = std::make_unique<AttnSetup>();
+  s->B = B, s->Hkv = 3, s->G = 3, s->D = 64, s->S = S, s->W = 128, s->P = 16, s->rk = rk, s->rv = rv;
+  const std::int32_t P = s->P, D = s->D, H = s->Hkv;
+  const std::int32_t pages_per = (S + P - 1) / P, old = (S - s->W) / P * P, opages = old / P;
+  KVGeometry g{H, D, P, B * pages_per, D};
+  const KVStrides st = packed_strides(g, KVLayout::kNHD);
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  s->fk.resize(static_cast<std::size_t>(st.page) * g.num_pages);
+  s->fv.resize(s->fk.size());
+  for (float& x : s->fk) x = nd(rng);
+  for (float& x : s->fv) x = nd(rng);
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(g.num_pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  s->pool = std::make_unique<channel::PackedPagePool<float>>(1, H, rk, rv, P);
+  for (std::int32_t h = 0; h < H; ++h) {
+    std::vector<std::int32_t> a(static_cast<std::size_t>(D));
+    std::iota(a.begin(), a.end(), 0);
+    std::shuffle(a.begin(), a.end(), rng);
+    std::vector<std::int32_t> k(a.begin(), a.begin() + rk), v(a.begin(), a.begin() + rv);
+    std::sort(k.begin(), k.end());
+    std::sort(v.begin(), v.end());
+    s->ksel.insert(s->ksel.end(), k.begin(), k.end());
+    s->vsel.insert(s->vsel.end(), v.begin(), v.end());
+  }
+  s->f_indptr = {0};
+  s->o_indptr = {0};
+  s->w_indptr = {0};
+  for (std::int32_t b = 0; b < B; ++b) {
+    for (std::int32_t i = 0; i < pages_per; ++i) {
+      const std::int32_t page = perm[static_cast<std::size_t>(b * pages_per + i)];
+      s->f_indices.push_back(page);
+      if (i < opages) {
+        const std::int32_t pp = s->pool->allocate();
+        s->o_indices.push_back(pp);
+        for (std::int32_t t = 0; t < P; ++t)
+          for (std::int32_t h = 0; h < H; ++h) {
+            const float* kr = s->fk.data() + page * st.page + t * st.token + h * st.head;
+            const float* vr = s->fv.data() + page * st.page + t * st.token + h * st.head;
+            channel::pack_channels(kr, 0, s->ksel.data() + h * rk, rk, 1, s->pool->k_row(0, pp, t, h), 0);
+            channel::pack_channels(vr, 0, s->vsel.data() + h * rv, rv, 1, s->pool->v_row(0, pp, t, h), 0);
+          }
+      } else {
+        s->w_indices.push_back(page);
+      }
+    }
+    s->f_indptr.push_back(static_cast<std::int32_t>(s->f_indices.size()));
+    s->o_indptr.push_back(static_cast<std::int32_t>(s->o_indices.size()));
+    s->w_indptr.push_back(static_cast<std::int32_t>(s->w_indices.size()));
+    s->f_last.push_back(S - (pages_per - 1) * P);
+    s->o_last.push_back(opages > 0 ? P : 0);
+    s->w_last.push_back(S - (pages_per - 1) * P);
+  }
+  s->dense_view = make_csr_view(g, s->fk.data(), st, s->fv.data(), st,
+                                CsrPageTable{s->f_indptr.data(), s->f_indices.data(), s->f_last.data(), B});
+  s->window_view = make_csr_view(g, s->fk.data(), st, s->fv.data(), st,
+                                 CsrPageTable{s->w_indptr.data(), s->w_indices.data(), s->w_last.data(), B});
+  s->old_view = make_csr_view(s->pool->geometry(), s->pool->k(0), s->pool->k_strides(), s->pool->v(0),
+                              s->pool->v_strides(), CsrPageTable{s->o_indptr.data(), s->o_indices.data(), s->o_last.data(), B});
+  s->dense = DecodeAttentionParams{H * s->G, 1.f / std::sqrt(static_cast<float>(D))};
+  s->packed = s->dense;
+  if (rk < D) s->packed.k_channels = s->ksel.data();
+  if (rv < D) s->packed.v_channels = s->vsel.data();
+  s->packed.q_dim = D;
+  s->q.resize(static_cast<std::size_t>(B) * H * s->G * D);
+  for (float& x : s->q) x = nd(rng);
+  s->out.resize(s->q.size());
+  const exec::Host ex{1};
+  s->ws_dense.resize(paged_decode_attention_workspace_size(ex, s->dense_view, s->dense));
+  s->ws_packed.resize(channel::channel_attention_workspace_size(ex, s->window_view, s->old_view, s->dense, s->packed));
+  return s;
+}
+
+void BM_packed_vs_dense(benchmark::State& state) {
+  const std::int32_t B = static_cast<std::int32_t>(state.range(0)), S = static_cast<std::int32_t>(state.range(1));
+  const std::int32_t rk = static_cast<std::int32_t>(state.range(2)), rv = static_cast<std::int32_t>(state.range(3));
+  auto s = make_setup(B, g_small ? 512 : S, rk, rv);
+  const exec::Host ex{1};
+  auto dense = [&] {
+    const Status st = paged_decode_attention(ex, s->dense_view, s->q.data(), s->out.data(), s->dense,
+                                             Workspace{s->ws_dense.data(), s->ws_dense.size()});
+    if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
+  };
+  auto packed = [&] {
+    const Status st = channel::channel_attention(ex, s->window_view, s->old_view, s->q.data(), s->out.data(), s->dense,
+                                                 s->packed, nullptr, Workspace{s->ws_packed.data(), s->ws_packed.size()});
+    if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
+  };
+  dense();
+  packed();
+  double td = 0, tp = 0;
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    // Interleaved so both see the same machine load (2 shared cores).
+    const double t0 = now_s();
+    dense();
+    const double t1 = now_s();
+    packed();
+    const double t2 = now_s();
+    td += t1 - t0;
+    tp += t2 - t1;
+    ++n;
+    state.SetIterationTime(t2 - t1);
+  }
+  const double S_ = s->S, W = s->W, D = s->D;
+  const double old = std::floor((S_ - W) / s->P) * s->P;
+  const double saved = 1.0 - (old * (rk + rv) + (S_ - old) * 2 * D) / (S_ * 2 * D);
+  state.counters["dense_us"] = 1e6 * td / static_cast<double>(n);
+  state.counters["packed_us"] = 1e6 * tp / static_cast<double>(n);
+  state.counters["ratio"] = tp / td;
+  state.counters["saved"] = saved;
+  state.counters["goal"] = (1 - saved) / 0.8;
+}
+
+// ---- 2. fidelity ------------------------------------------------------------------------
+
+struct Trace {
+  std::string name;
+  std::int32_t L = 0, H = 0, G = 0, D = 0, n = 0;  // layers, kv heads, group, head dim, tokens
+  std::vector<float> k;                           // [L, n, H, D]
+  std::vector<std::int32_t> qpos;                 // [steps] position of each decode query
+  std::vector<float> q;                           // [steps, L, H*G, D]
+  const float* krow(std::int32_t l, std::int32_t t, std::int32_t h) const {
+    return k.data() + ((static_cast<std::size_t>(l) * n + t) * H + h) * D;
+  }
+  const float* qrow(std::size_t s, std::int32_t l, std::int32_t hq) const {
+    return q.data() + ((s * L + l) * static_cast<std::size_t>(H * G) + hq) * D;
+  }
+};
+
+Trace synthetic_trace() {
+  Trace t;
+  t.name = "synthetic-outliers";
+  t.L = 2, t.H = 4, t.G = 2, t.D = 64, t.n = g_small ? 256 : 1024;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> scale(static_cast<std::size_t>(t.L * t.H * t.D));
+  for (std::size_t i = 0; i < scale.size(); ++i) scale[i] = std::exp(0.5f * nd(rng));
+  for (std::int32_t l = 0; l < t.L; ++l)
+    for (std::int32_t h = 0; h < t.H; ++h)
+      for (std::int32_t j = 0; j < 4; ++j)  // four outlier channels per head
+        scale[static_cast<std::size_t>((l * t.H + h) * t.D + (j * 13 + h * 5) % t.D)] = 8.f;
+  t.k.resize(static_cast<std::size_t>(t.L) * t.n * t.H * t.D);
+  for (std::int32_t l = 0; l < t.L; ++l)
+    for (std::int32_t p = 0; p < t.n; ++p)
+      for (std::int32_t h = 0; h < t.H; ++h)
+        for (std::int32_t d = 0; d < t.D; ++d)
+          t.k[((static_cast<std::size_t>(l) * t.n + p) * t.H + h) * t.D + d] =
+              scale[static_cast<std::size_t>((l * t.H + h) * t.D + d)] * nd(rng);
+  const std::int32_t steps = g_small ? 32 : 128;
+  for (std::int32_t s = 0; s < steps; ++s) {
+    t.qpos.push_back(t.n - steps + s);
+    for (std::int32_t l = 0; l < t.L; ++l)
+      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq)
+        for (std::int32_t d = 0; d < t.D; ++d)
+          t.q.push_back(nd(rng) * std::sqrt(scale[static_cast<std::size_t>((l * t.H + hq / t.G) * t.D + d)]));
+  }
+  return t;
+}
+
+#if defined(KVKIT_BENCH_KVCHAN_ENGINE)
+// Full-cache greedy run of `prompt` (prefilled) then `steps` decode steps; queries of
+// every step, all K at the end.
+Trace engine_trace(const std::string& name, std::shared_ptr<const engine::Checkpoint> ck,
+                   const std::vector<std::int32_t>& prompt, std::int32_t steps) {
+  const engine::ModelConfig& c = ck->config();
+  Trace t;
+  t.name = name;
+  t.L = c.n_layers, t.H = c.n_kv_heads, t.G = c.n_heads / c.n_kv_heads, t.D = c.head_dim();
+  engine::EngineOptions eo;
+  eo.page_size = 16;
+  eo.max_batch = 1;
+  eo.num_pages = static_cast<std::int32_t>((prompt.size() + steps) / 16 + 2);
+  engine::Engine eng(ck, eo);
+  eng.add_step_hook([&](engine::Engine& e, const engine::StepInfo& info) {
+    t.qpos.push_back(e.position(info.seq_ids[0]) - 1);
+    for (std::int32_t l = 0; l < t.L; ++l)
+      t.q.insert(t.q.end(), info.queries[l], info.queries[l] + static_cast<std::size_t>(t.H * t.G * t.D));
+  });
+  const engine::SeqId id = eng.add_sequence(prompt);
+  eng.prefill(id);
+  for (std::int32_t s = 0; s < steps; ++s) eng.step();
+  t.n = eng.kv_len(id);
+  t.k.resize(static_cast<std::size_t>(t.L) * t.n * t.H * t.D);
+  const auto& views = eng.layer_views();
+  for (std::int32_t l = 0; l < t.L; ++l)
+    for (std::int32_t p = 0; p < t.n; ++p)
+      for (std::int32_t h = 0; h < t.H; ++h)
+        std::copy_n(views[static_cast<std::size_t>(l)].k_ptr(0, p, h), t.D,
+                    t.k.begin() + static_cast<std::ptrdiff_t>(((static_cast<std::size_t>(l) * t.n + p) * t.H + h) * t.D));
+  return t;
+}
+#endif
+
+// The selection a ChannelSelector (score, r) holds after the calibration half.
+std::vector<std::int32_t> calibrate(const Trace& t, channel::ChannelScore score, std::int32_t r) {
+  channel::ChannelParams p;
+  p.r_k = r;
+  p.score = score;
+  p.mode = channel::ChannelMode::kProbe;
+  channel::ChannelSelector sel(p, t.L, t.H, t.D, t.G);
+  const std::size_t half = t.qpos.size() / 2;
+  const std::int32_t upto = t.qpos[half > 0 ? half - 1 : 0];
+  std::vector<float> zero(static_cast<std::size_t>(t.D), 0.f);
+  std::size_t s = 0;
+  for (std::int32_t pos = 0; pos <= upto; ++pos) {
+    for (std::int32_t l = 0; l < t.L; ++l)
+      for (std::int32_t h = 0; h < t.H; ++h) sel.observe_kv(l, h, t.krow(l, pos, h), t.krow(l, pos, h));
+    for (; s < half && t.qpos[s] == pos; ++s)
+      for (std::int32_t l = 0; l < t.L; ++l)
+        for (std::int32_t h = 0; h < t.H; ++h) sel.observe_q(l, h, t.qrow(s, l, h * t.G));
+  }
+  sel.update();
+  std::vector<std::int32_t> out;
+  for (std::int32_t l = 0; l < t.L; ++l) out.insert(out.end(), sel.current_k(l), sel.current_k(l) + t.H * r);
+  return out;
+}
+
+// KL(dense || packed) of every (eval step, layer, query head).
+std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r,
+                                  std::int32_t W) {
+  std::vector<double> kls;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
+  std::vector<double> a, b;
+  std::vector<char> mask(static_cast<std::size_t>(t.D));
+  for (std::size_t s = t.qpos.size() / 2; s < t.qpos.size(); ++s) {
+    const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
+    a.resize(static_cast<std::size_t>(n));
+    b.resize(static_cast<std::size_t>(n));
+    for (std::int32_t l = 0; l < t.L; ++l)
+      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq) {
+        const std::int32_t h = hq / t.G;
+        std::fill(mask.begin(), mask.end(), 0);
+        const std::int32_t* ks = sel.data() + (static_cast<std::size_t>(l) * t.H + h) * r;
+        for (std::int32_t c = 0; c < r; ++c) mask[static_cast<std::size_t>(ks[c])] = 1;
+        const float* q = t.qrow(s, l, hq);
+        double ma = -1e300, mb = -1e300;
+        for (std::int32_t j = 0; j < n; ++j) {
+          const float* k = t.krow(l, j, h);
+          double full = 0, part = 0;
+          for (std::int32_t d = 0; d < t.D; ++d) {
+            const double x = static_cast<double>(q[d]) * k[d];
+            full += x;
+            part += mask[static_cast<std::size_t>(d)] ? x : 0.0;
+          }
+          a[static_cast<std::size_t>(j)] = full * scale;
+          b[static_cast<std::size_t>(j)] = (j < old ? part : full) * scale;
+          ma = std::max(ma, a[static_cast<std::size_t>(j)]);
+          mb = std::max(mb, b[static_cast<std::size_t>(j)]);
+        }
+        double za = 0, zb = 0;
+        for (std::int32_t j = 0; j < n; ++j) {
+          za += std::exp(a[static_cast<std::size_t>(j)] - ma);
+          zb += std::exp(b[static_cast<std::size_t>(j)] - mb);
+        }
+        const double la = std::log(za) + ma, lb = std::log(zb) + mb;
+        double kl = 0;
+        for (std::int32_t j = 0; j < n; ++j) {
+          const double pa = a[static_cast<std::size_t>(j)] - la, pb = b[static_cast<std::size_t>(j)] - lb;
+          kl += std::exp(pa) * (pa - pb);
+        }
+        kls.push_back(std::max(0.0, kl));
+      }
+  }
+  return kls;
+}
+
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+// Fraction of KV bytes saved at the trace's length with K packed to r dims (V full width),
+// as KvchanPolicy::memory_bytes() counts them (engine window pages + packed pages +
+// selector metadata + page lists), page size 16.
+double bytes_saved(const Trace& t, std::int32_t r, std::int32_t W) {
+  const std::int64_t P = 16, n = t.n, per_tok_full = static_cast<std::int64_t>(t.L) * t.H * 2 * t.D * 4;
+  const std::int64_t full = (n + P - 1) / P * P * per_tok_full;
+  const std::int64_t n_pack = n - W >= P ? (n - W) / P * P : 0;
+  const std::int64_t engine = (n - n_pack + P - 1) / P * P * per_tok_full;
+  const std::int64_t packed = n_pack * t.L * t.H * (r + t.D) * 4;
+  channel::ChannelParams p;
+  p.r_k = r;
+  p.window = static_cast<std::int32_t>(W);
+  const channel::ChannelSelector sel(p, t.L, t.H, t.D, t.G);
+  const std::int64_t meta = sel.metadata_bytes() + 4 * (n_pack / P);
+  return 1.0 - static_cast<double>(engine + packed + meta) / static_cast<double>(full);
+}
+
+void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
+  std::printf("\n## attention KL(dense || packed), window W=%d, calibration on the first half of the decode steps\n\n", W);
+  std::printf("| trace | tokens | score | pruned | rK/D | median KL | p90 KL | KV bytes saved |\n|---|---|---|---|---|---|---|---|\n");
+  for (const Trace& t : traces)
+    for (channel::ChannelScore sc : {channel::ChannelScore::kEma, channel::ChannelScore::kThink})
+      for (double pr : {0.25, 0.5, 0.75}) {
+        const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+        const auto kl = attention_kls(t, calibrate(t, sc, r), r, W);
+        std::printf("| %s | %d | %s | %.0f%% | %d/%d | %.3g | %.3g | %.1f%% |\n", t.name.c_str(), t.n,
+                    sc == channel::ChannelScore::kEma ? "EMA" : "ThinK", pr * 100, r, t.D, quantile(kl, 0.5),
+                    quantile(kl, 0.9), 100 * bytes_saved(t, r, W));
+        std::fflush(stdout);
+      }
+  std::printf("\n## KV bytes saved at the largest key pruning with median attention KL <= threshold (W=%d)\n\n", W);
+  std::printf("| trace | score | threshold | rK/D | median KL | KV bytes saved |\n|---|---|---|---|---|---|\n");
+  for (const Trace& t : traces)
+    for (channel::ChannelScore sc : {channel::ChannelScore::kEma, channel::ChannelScore::kThink})
+      for (double th : {1e-3, 1e-2}) {
+        std::int32_t best = t.D;
+        double best_kl = 0;
+        const std::int32_t step = std::max(1, t.D / 16);
+        for (std::int32_t r = t.D - step; r >= 1; r -= step) {
+          const double m = quantile(attention_kls(t, calibrate(t, sc, r), r, W), 0.5);
+          if (m > th) break;
+          best = r;
+          best_kl = m;
+        }
+        std::printf("| %s | %s | %.0e | %d/%d | %.3g | %.1f%% |\n", t.name.c_str(),
+                    sc == channel::ChannelScore::kEma ? "EMA" : "ThinK", th, best, t.D, best_kl,
+                    best < t.D ? 100 * bytes_saved(t, best, W) : 0.0);
+        std::fflush(stdout);
+      }
+}
+
+int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps) {
+  std::vector<Trace> traces;
+  traces.push_back(synthetic_trace());
+#if defined(KVKIT_BENCH_KVCHAN_ENGINE)
+  const std::string stories = models + "/stories260K.bin", smol = models + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (std::filesystem::exists(stories)) {
+    auto ck = std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(stories));
+    traces.push_back(engine_trace("stories260K", ck, {engine::kBosToken}, g_small ? 64 : 400));
+  } else {
+    std::printf("stories260K skipped: no model file %s\n", stories.c_str());
+  }
+  const std::string suite = std::string(KVKIT_BENCH_SOURCE_DIR) + "/../examples/prompts/suite.json";
+  if (std::filesystem::exists(smol) && !g_small) {
+    const engine::GgufFile g = engine::GgufFile::open(smol);
+    auto ck = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g));
+    const engine::Tokenizer tok = engine::Tokenizer::from_gguf(g);
+    const engine::ChatTemplate tmpl = engine::ChatTemplate::from_gguf(g);
+    std::ifstream f(suite);
+    const nlohmann::json j = nlohmann::json::parse(f);
+    for (const auto& p : j.at("prompts")) {
+      if (p.value("kind", "") != "code") continue;
+      const auto prompt = tmpl.encode(tok, {{"user", p.at("turns").at(0).get<std::string>()}}, true);
+      traces.push_back(engine_trace("SmolLM2/" + p.at("id").get<std::string>(), ck, prompt, steps));
+    }
+  } else {
+    std::printf("SmolLM2 skipped: no model file %s (or --kvkit_small)\n", smol.c_str());
+  }
+#else
+  (void)models;
+  (void)steps;
+#endif
+  fidelity_tables(traces, W);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool fidelity = false;
+  std::string models = "../shared/models";
+  std::int32_t W = 32, steps = 64;
+  std::vector<char*> rest{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--kvkit_small") g_small = true;
+    else if (a == "--kvkit_fidelity") fidelity = true;
+    else if (a.rfind("--kvkit_models=", 0) == 0) models = a.substr(15);
+    else if (a.rfind("--kvkit_window=", 0) == 0) W = std::stoi(a.substr(15));
+    else if (a.rfind("--kvkit_steps=", 0) == 0) steps = std::stoi(a.substr(14));
+    else rest.push_back(argv[i]);
+  }
+  if (fidelity) return run_fidelity(models, W, steps);
+  for (std::int64_t B : {1, 8})
+    for (auto rr : {std::pair<int, int>{32, 64}, {16, 64}, {32, 32}, {16, 32}, {48, 48}})
+      benchmark::RegisterBenchmark(("kvchan_attn/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rr.first) +
+                                    "/rV" + std::to_string(rr.second))
+                                       .c_str(),
+                                   BM_packed_vs_dense)
+          ->Args({B, 4096, rr.first, rr.second})
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+  int n = static_cast<int>(rest.size());
+  benchmark::Initialize(&n, rest.data());
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}

@@ -1,0 +1,104 @@
+#pragma once
+// `kvkit generate --policy kvchan`: the ChannelSelector (examples/engine/kvchan_policy.hpp)
+// with its options on the generate subcommand:
+//   --W N            full-width window (default 128)
+//   --rK N           key dims kept per head (default head_dim / 2)
+//   --rV N           value dims kept per head (default head_dim: values not compressed)
+//   --check-every N  steps between fidelity checks while packed (default 16; 0: never)
+//   --T-update N     tokens between selection updates (default 16)
+//   --N-stable N     retained updates before packing (default 3)
+//   --no-k           keys stay full width (only values are compressed)
+//   --kvchan-mode M  dynamic (default), full or probe
+//   --kvchan-score S ema (default) or think
+//   --kvchan-compensate   dropped V dims read as their mean over the packed tokens
+//   --kvchan-max-kl X     fidelity KL threshold in nats (default 0.01)
+//   --kvchan-ema A        EMA decay of the statistics (default 0.95)
+//   --kvchan-retention X  retention of a stable update (default 0.9)
+//   --kvchan-stable-frac X  fraction of stable heads that starts packing (default 1)
+//   --jsonl FILE     one JSON record per fidelity check
+
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+
+#include "cli/policies.hpp"
+#include "engine/kvchan_policy.hpp"
+
+namespace kvkit {
+namespace cli {
+
+inline PolicyEntry kvchan_policy_entry() {
+  struct Opts {
+    std::int32_t window = 128, r_k = 0, r_v = 0, check_every = 16, t_update = 16, n_stable = 3;
+    bool no_k = false, compensate = false;
+    std::string mode = "dynamic", score = "ema", jsonl;
+    double max_kl = 1e-2, ema = 0.95, retention = 0.9, stable_frac = 1.0;
+  };
+  auto o = std::make_shared<Opts>();
+  PolicyEntry e;
+  e.names = {"kvchan"};
+  e.option_names = {"--W",         "--rK",          "--rV",           "--check-every",
+                    "--T-update",  "--N-stable",    "--no-k",         "--kvchan-mode",
+                    "--kvchan-score", "--kvchan-compensate", "--kvchan-max-kl", "--kvchan-ema",
+                    "--kvchan-retention", "--kvchan-stable-frac", "--jsonl"};
+  e.add_options = [o](CLI::App& g) {
+    g.add_option("--W", o->window, "kvchan: full-width window of recent tokens (default 128)")->type_name("N");
+    g.add_option("--rK", o->r_k, "kvchan: key dims kept per head (default head_dim/2)")->type_name("N");
+    g.add_option("--rV", o->r_v, "kvchan: value dims kept per head (default head_dim)")->type_name("N");
+    g.add_option("--check-every", o->check_every,
+                 "kvchan: steps between fidelity checks while packed (default 16, 0 never)")
+        ->type_name("N");
+    g.add_option("--T-update", o->t_update, "kvchan: tokens between selection updates (default 16)")->type_name("N");
+    g.add_option("--N-stable", o->n_stable, "kvchan: retained updates (>= 0.9) before packing (default 3)")
+        ->type_name("N");
+    g.add_flag("--no-k", o->no_k, "kvchan: keep keys full width (compress values only)");
+    g.add_option("--kvchan-mode", o->mode, "kvchan: dynamic (default), full or probe")
+        ->type_name("M")
+        ->check(CLI::IsMember({"dynamic", "full", "probe"}));
+    g.add_option("--kvchan-score", o->score, "kvchan: key importance, ema (default) or think")
+        ->type_name("S")
+        ->check(CLI::IsMember({"ema", "think"}));
+    g.add_flag("--kvchan-compensate", o->compensate, "kvchan: dropped V dims read as their mean (compensation)");
+    g.add_option("--kvchan-max-kl", o->max_kl, "kvchan: fidelity check KL threshold in nats (default 0.01)")
+        ->type_name("X");
+    g.add_option("--kvchan-ema", o->ema, "kvchan: EMA decay of the |k|, |v| statistics, in [0, 1) (default 0.95)")
+        ->type_name("A");
+    g.add_option("--kvchan-retention", o->retention,
+                 "kvchan: retention a stable update needs, in (0, 1] (default 0.9)")
+        ->type_name("X");
+    g.add_option("--kvchan-stable-frac", o->stable_frac,
+                 "kvchan: fraction of heads that must be stable before packing, in (0, 1] (default 1)")
+        ->type_name("X");
+    g.add_option("--jsonl", o->jsonl, "kvchan: write one JSON record per fidelity check to FILE")->type_name("FILE");
+  };
+  e.make = [o](const std::string&, const engine::ModelConfig& c, const engine::EngineOptions& eo) {
+    KVKIT_CHECK(!eo.contiguous, "kvchan needs a paged engine, not --contiguous");
+    engine::KvchanOptions ko;
+    channel::ChannelParams& p = ko.params;
+    p.window = o->window;
+    p.r_k = o->r_k != 0 ? o->r_k : std::max(1, c.head_dim() / 2);
+    p.r_v = o->r_v;
+    p.check_every = o->check_every;
+    p.t_update = o->t_update;
+    p.n_stable = o->n_stable;
+    p.compress_k = !o->no_k;
+    p.mean_compensation = o->compensate;
+    p.mode = o->mode == "full" ? channel::ChannelMode::kFull
+             : o->mode == "probe" ? channel::ChannelMode::kProbe
+                                  : channel::ChannelMode::kDynamic;
+    p.score = o->score == "think" ? channel::ChannelScore::kThink : channel::ChannelScore::kEma;
+    p.thresholds.max_kl = o->max_kl;
+    p.ema_decay = static_cast<float>(o->ema);
+    p.min_retention = o->retention;
+    p.min_stable_fraction = o->stable_frac;
+    KVKIT_CHECK(o->r_v >= 0, "kvchan: rV must be in [1, head_dim ", c.head_dim(), "], got ", o->r_v);
+    p.validate(c.head_dim());  // bad values are usage errors (exit 2) before the run
+    ko.jsonl_path = o->jsonl;
+    return std::unique_ptr<engine::EnginePolicy>(new engine::KvchanPolicy(ko));
+  };
+  return e;
+}
+
+}  // namespace cli
+}  // namespace kvkit

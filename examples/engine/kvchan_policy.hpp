@@ -1,0 +1,545 @@
+#pragma once
+// KvchanPolicy: the ChannelSelector (include/kvkit/channel/kvchan.hpp) hosted by the
+// example engine.
+//
+// Storage. The engine's per-layer pools are shared by all heads and its page ids by all
+// layers, so a page can only go back to the engine when every (layer, head) of its tokens
+// is packed. The policy therefore packs a whole sequence at once, after every head is
+// stable: the engine keeps the most recent tokens at full width (between W and W +
+// page_size - 1 of them), the policy keeps the older ones in its own PackedPagePool
+// (pages of [page_size, Hkv, rK] K rows and [page_size, Hkv, rV] V rows per layer,
+// registered with Engine::register_pool as "kvchan"). Packing takes whole pages: the
+// oldest full-width pages are gathered into packed pages, the remaining window pages
+// are copied down (copy_pages, all layers; notify_rewrite) and truncate_kv gives the
+// freed pages back to the engine's allocator. So kv_bytes_in_use() really drops: the
+// engine holds ceil(window / page_size) full-width pages per sequence, the policy
+// rK/D and rV/D of the bytes of every older page, plus its metadata (statistics, sets,
+// page lists, compensation means), all of which memory_bytes() counts.
+//
+// Attention (set_attention): for a batch with old tokens, channel_attention merges the
+// old part (channel-restricted kernel over the policy's pool) with the engine's window
+// (dense) by LSE; otherwise the dense kernel runs unchanged.
+//
+// Control (step hook, after each step): observe the new tokens' K/V (and decode queries
+// for ThinK; tokens prefilled without a step are caught up from the views), tick the
+// selector; while packed, every check_every steps compare this step's logits with a
+// full-width baseline (a fresh engine on the same checkpoint prefilled with the
+// sequence's processed tokens: full-width recomputation) and on failure unpack every
+// sequence's old tokens to full width (a full-width pool of the policy: the selected dims
+// exact, dropped K dims 0, dropped V dims 0 or their mean with compensation), reset the
+// stability counters and probe again; when stable again the old tokens are re-packed
+// with the new sets. Then pack whatever left the window.
+//
+// Limits: fork_sequence of a sequence with packed tokens is not supported (the fork has
+// no old tokens; the policy does not see forks); sequences are assumed not to be
+// truncated by another policy.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/engine.hpp"
+#include "engine/policy.hpp"
+#include "kvkit/channel/kvchan.hpp"
+#include "kvkit/channel/packed_store.hpp"
+
+namespace kvkit {
+namespace engine {
+
+/// Settings of the hosted ChannelSelector.
+struct KvchanOptions {
+  channel::ChannelParams params;
+  std::string jsonl_path;  // one JSON record per fidelity check ("" : none)
+};
+
+/// One fidelity check (also a line of the --jsonl file).
+struct KvchanCheck {
+  std::int64_t step = 0;
+  SeqId seq = -1;
+  std::int64_t kv_bytes = 0;       // engine kv_bytes_in_use() at the check
+  std::int64_t full_kv_bytes = 0;  // what the full-width cache of the same tokens would hold
+  channel::FidelityMetrics metrics;
+};
+
+class KvchanPolicy : public EnginePolicy {
+ public:
+  explicit KvchanPolicy(KvchanOptions o) : opt_(std::move(o)) {}
+  ~KvchanPolicy() override = default;
+
+  std::string name() const override { return "kvchan"; }
+
+  void attach(Engine& eng) override {
+    KVKIT_CHECK(eng_ == nullptr, "kvchan: attach() called twice");
+    KVKIT_CHECK(eng.num_sequences() == 0, "kvchan: attach before adding sequences");
+    const ModelConfig& c = eng.config();
+    const std::int32_t D = c.head_dim();
+    opt_.params.validate(D);
+    KVKIT_CHECK(!eng.options().contiguous, "kvchan: needs a paged engine (not --contiguous)");
+    eng_ = &eng;
+    sel_ = std::make_unique<channel::ChannelSelector>(opt_.params, c.n_layers, c.n_kv_heads, D,
+                                                      c.n_heads / c.n_kv_heads);
+    packed_ = std::make_unique<channel::PackedPagePool<float>>(c.n_layers, c.n_kv_heads, sel_->r_k(),
+                                                               sel_->r_v(), eng.options().page_size);
+    full_ = std::make_unique<channel::PackedPagePool<float>>(c.n_layers, c.n_kv_heads, D, D,
+                                                             eng.options().page_size);
+    if (!opt_.jsonl_path.empty()) {
+      jsonl_ = std::make_unique<std::ofstream>(opt_.jsonl_path);
+      KVKIT_CHECK(jsonl_->good(), "kvchan: cannot write --jsonl file ", opt_.jsonl_path);
+    }
+    if (opt_.params.mode == channel::ChannelMode::kFull) return;  // dense engine, nothing hooked
+    eng.register_pool(
+        "kvchan", [this] { return pool_bytes(); },
+        [this] { return std::max(peak_pool_bytes_, pool_bytes()); });
+    eng.add_step_hook([this](Engine& e, const StepInfo& info) { on_step(e, info); });
+    if (opt_.params.mode == channel::ChannelMode::kDynamic)
+      eng.set_attention([this](const AttentionCall& call) { return attention(call); },
+                        [this](int layer, const PagedKVView<float>& v) { return workspace_bytes(layer, v); });
+  }
+
+  PolicyStats stats() const override {
+    PolicyStats s;
+    const bool packed = sel_ && sel_->phase() == channel::ChannelPhase::kPacked;
+    std::int64_t old = 0;
+    for (const auto& kv : seqs_) old += kv.second.n_old;
+    s.emplace_back("packed_heads", packed ? sel_->n_layers() * sel_->n_kv_heads() : 0);
+    s.emplace_back("stable_heads", sel_ ? sel_->stable_heads() : 0);
+    s.emplace_back("backoffs", sel_ ? static_cast<double>(sel_->backoffs()) : 0);
+    s.emplace_back("checks", static_cast<double>(checks_.size()));
+    s.emplace_back("checks_failed", static_cast<double>(checks_failed_));
+    s.emplace_back("selection_updates", sel_ ? static_cast<double>(sel_->updates()) : 0);
+    s.emplace_back("old_tokens", static_cast<double>(old));
+    s.emplace_back("kvchan_pool_bytes", static_cast<double>(pool_bytes()));
+    s.emplace_back("kvchan_packed_bytes", packed_ ? static_cast<double>(packed_->bytes_in_use()) : 0);
+    s.emplace_back("kvchan_metadata_bytes", sel_ ? static_cast<double>(metadata_bytes()) : 0);
+    double mx = 0, sum = 0;
+    for (const auto& ch : checks_) {
+      mx = std::max(mx, ch.metrics.kl);
+      sum += ch.metrics.kl;
+    }
+    s.emplace_back("check_max_kl", mx);
+    s.emplace_back("check_mean_kl", checks_.empty() ? 0.0 : sum / static_cast<double>(checks_.size()));
+    return s;
+  }
+
+  // ---- inspection (tests, bench) ----
+  const channel::ChannelSelector& selector() const { return *sel_; }
+  channel::ChannelSelector& selector() { return *sel_; }
+  const std::vector<KvchanCheck>& checks() const { return checks_; }
+  const channel::PackedPagePool<float>& packed_pool() const { return *packed_; }
+  const channel::PackedPagePool<float>& full_pool() const { return *full_; }
+  /// Tokens of `id` held by the policy (the oldest ones), packed or unpacked.
+  std::int32_t old_tokens(SeqId id) const {
+    auto it = seqs_.find(id);
+    return it == seqs_.end() ? 0 : it->second.n_old;
+  }
+  bool old_tokens_packed(SeqId id) const {
+    auto it = seqs_.find(id);
+    return it != seqs_.end() && it->second.packed;
+  }
+  /// Bytes of the policy's own storage: pages in use in both pools plus metadata.
+  std::int64_t pool_bytes() const {
+    if (!packed_ || opt_.params.mode == channel::ChannelMode::kFull) return 0;
+    return packed_->bytes_in_use() + full_->bytes_in_use() + metadata_bytes();
+  }
+  /// Every KV byte of the run: the engine's full-width pages in use (all layers, K and V)
+  /// plus pool_bytes(); equals eng.kv_bytes_in_use().
+  std::int64_t memory_bytes() const {
+    return eng_->pages_bytes(eng_->pages_in_use()) + pool_bytes();
+  }
+  std::int64_t metadata_bytes() const {
+    std::int64_t b = sel_ ? sel_->metadata_bytes() : 0;
+    for (const auto& kv : seqs_)
+      b += static_cast<std::int64_t>(sizeof(std::int32_t) * kv.second.pages.size() +
+                                     sizeof(float) * kv.second.v_mean.size() +
+                                     sizeof(double) * kv.second.v_sum.size());
+    return b;
+  }
+
+  /// Full-width K and V (head_dim floats each) of token `t` of sequence `id`, layer,
+  /// kv head, as attention reads it: the engine's row for window tokens; for old tokens
+  /// the selected dims of the packed row scattered to full width (dropped dims 0 for K,
+  /// 0 or the compensation mean for V), or the unpacked row.
+  void read_token(SeqId id, std::int32_t layer, std::int32_t t, std::int32_t head, float* k,
+                  float* v) {  // [head_dim] each
+    const std::int32_t D = sel_->head_dim();
+    const SeqState* st = find(id);
+    const std::int32_t n_old = st ? st->n_old : 0;
+    const std::int32_t P = eng_->options().page_size;
+    if (t >= n_old) {
+      const auto ids = eng_->sequences();
+      const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
+      const PagedKVView<float>& view = eng_->layer_views()[static_cast<std::size_t>(layer)];
+      std::copy(view.k_ptr(b, t - n_old, head), view.k_ptr(b, t - n_old, head) + D, k);
+      std::copy(view.v_ptr(b, t - n_old, head), view.v_ptr(b, t - n_old, head) + D, v);
+      return;
+    }
+    const std::int32_t page = st->pages[static_cast<std::size_t>(t / P)], slot = t % P;
+    if (!st->packed) {
+      std::copy(full_->k_row(layer, page, slot, head), full_->k_row(layer, page, slot, head) + D, k);
+      std::copy(full_->v_row(layer, page, slot, head), full_->v_row(layer, page, slot, head) + D, v);
+      return;
+    }
+    channel::unpack_channels(packed_->k_row(layer, page, slot, head), 0, sel_->packed_k(layer) + head * sel_->r_k(),
+                             sel_->r_k(), D, 1, nullptr, k, 0);
+    channel::unpack_channels(packed_->v_row(layer, page, slot, head), 0, sel_->packed_v(layer) + head * sel_->r_v(),
+                             sel_->r_v(), D, 1, v_fill_of(*st, layer, head), v, 0);
+  }
+
+  /// Backs off now, as a failed check does: every sequence's old tokens to full width,
+  /// counters reset, probing again.
+  void back_off() {
+    for (auto& kv : seqs_) unpack(kv.second);
+    sel_->back_off();
+  }
+
+ private:
+  struct SeqState {
+    std::int32_t n_old = 0;            // oldest tokens held by the policy
+    std::vector<std::int32_t> pages;   // [ceil(n_old / page_size)] policy page ids
+    bool packed = false;               // pages are in packed_ (else full_)
+    std::int64_t observed = 0;         // tokens seen by the selector
+    std::vector<double> v_sum;         // [L, Hkv, D] sums of packed V rows (compensation)
+    std::vector<float> v_mean;         // [L, Hkv, D] mean on dropped dims, 0 on kept dims
+  };
+
+  SeqState* find(SeqId id) {
+    auto it = seqs_.find(id);
+    return it == seqs_.end() ? nullptr : &it->second;
+  }
+
+  const float* v_fill_of(const SeqState& st, std::int32_t layer, std::int32_t head) const {
+    if (!opt_.params.mean_compensation || !st.packed || st.v_mean.empty()) return nullptr;
+    return st.v_mean.data() +
+           (static_cast<std::size_t>(layer) * sel_->n_kv_heads() + static_cast<std::size_t>(head)) * sel_->head_dim();
+  }
+
+  std::size_t workspace_bytes(int /*layer*/, const PagedKVView<float>& view) const {
+    const exec::Host ex = eng_->model().exec();
+    const DecodeAttentionParams dense = eng_->model().attention_params();
+    DecodeAttentionParams pk = dense;
+    static const std::int32_t dummy = 0;
+    pk.k_channels = &dummy;  // only non-null-ness matters for sizing
+    pk.v_channels = &dummy;
+    pk.q_dim = sel_->head_dim();
+    const std::size_t a = channel::channel_attention_workspace_size(
+        ex, view, channel::shape_only_view<float>(view.num_kv_heads, sel_->r_k(), sel_->r_v(), view.batch_size),
+        dense, pk);
+    const std::size_t b = channel::channel_attention_workspace_size(
+        ex, view,
+        channel::shape_only_view<float>(view.num_kv_heads, sel_->head_dim(), sel_->head_dim(), view.batch_size),
+        dense, dense);
+    return std::max(a, b);
+  }
+
+  Status attention(const AttentionCall& call) {
+    const PagedKVView<float>& view = call.view;
+    const std::int32_t B = view.batch_size;
+    bool any = false, packed = false;
+    for (std::int32_t b = 0; b < B; ++b) {
+      auto it = seqs_.find(call.seq_ids[b]);
+      if (it != seqs_.end() && it->second.n_old > 0) {
+        any = true;
+        packed = it->second.packed;
+      }
+    }
+    if (!any) return paged_decode_attention(call.exec, view, call.q, call.out, call.params, call.workspace);
+    const std::int32_t P = eng_->options().page_size, D = sel_->head_dim(), H = sel_->n_kv_heads();
+    indptr_.assign(1, 0);
+    indices_.clear();
+    last_len_.clear();
+    if (opt_.params.mean_compensation) fill_.assign(static_cast<std::size_t>(B) * H * D, 0.f);
+    for (std::int32_t b = 0; b < B; ++b) {
+      const SeqState* st = nullptr;
+      auto it = seqs_.find(call.seq_ids[b]);
+      if (it != seqs_.end() && it->second.n_old > 0) st = &it->second;
+      if (st != nullptr) {
+        KVKIT_CHECK_STATUS(st->packed == packed, StatusCode::kInvalidArgument,
+                           "kvchan: sequences of one batch in different storage formats");
+        indices_.insert(indices_.end(), st->pages.begin(), st->pages.end());
+        if (opt_.params.mean_compensation && st->packed && !st->v_mean.empty())
+          for (std::int32_t h = 0; h < H; ++h)
+            std::copy_n(v_fill_of(*st, call.layer, h), D,
+                        fill_.begin() + (static_cast<std::ptrdiff_t>(b) * H + h) * D);
+      }
+      indptr_.push_back(static_cast<std::int32_t>(indices_.size()));
+      last_len_.push_back(st != nullptr ? st->n_old - (static_cast<std::int32_t>(st->pages.size()) - 1) * P : 0);
+    }
+    channel::PackedPagePool<float>& pool = packed ? *packed_ : *full_;
+    const PagedKVView<float> old =
+        make_csr_view(pool.geometry(), pool.k(call.layer), pool.k_strides(), pool.v(call.layer), pool.v_strides(),
+                      CsrPageTable{indptr_.data(), indices_.data(), last_len_.data(), B});
+    DecodeAttentionParams pk = call.params;
+    if (packed) {
+      if (sel_->compresses_k()) pk.k_channels = sel_->packed_k(call.layer);
+      if (sel_->compresses_v()) pk.v_channels = sel_->packed_v(call.layer);
+      if (sel_->compresses_k() || sel_->compresses_v()) pk.q_dim = D;
+    }
+    const float* fill = opt_.params.mean_compensation && packed ? fill_.data() : nullptr;
+    return channel::channel_attention(call.exec, view, old, call.q, call.out, call.params, pk, fill,
+                                      call.workspace);
+  }
+
+  void on_step(Engine& eng, const StepInfo& info) {
+    const ModelConfig& c = eng.config();
+    const std::int32_t D = c.head_dim(), H = c.n_kv_heads, G = c.n_heads / c.n_kv_heads;
+    // Forget sequences the engine no longer has.
+    const std::vector<SeqId> ids = eng.sequences();
+    for (auto it = seqs_.begin(); it != seqs_.end();) {
+      if (!eng.has_sequence(it->first)) {
+        release_pages(it->second);
+        it = seqs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // Observe new tokens (prefilled ones included) and this step's queries.
+    const std::vector<PagedKVView<float>>& views = eng.layer_views();
+    std::int64_t fresh = 0;
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      SeqState& st = seqs_[ids[b]];
+      const std::int32_t len = eng.kv_len(ids[b]);
+      const std::int64_t total = static_cast<std::int64_t>(st.n_old) + len;
+      const std::int64_t from = std::max<std::int64_t>(st.observed, st.n_old);
+      for (std::int64_t t = from; t < total; ++t)
+        for (std::int32_t l = 0; l < c.n_layers; ++l)
+          for (std::int32_t h = 0; h < H; ++h) {
+            const std::int32_t e = static_cast<std::int32_t>(t - st.n_old);
+            const PagedKVView<float>& v = views[static_cast<std::size_t>(l)];
+            sel_->observe_kv(l, h, v.k_ptr(static_cast<std::int32_t>(b), e, h),
+                             v.v_ptr(static_cast<std::int32_t>(b), e, h));
+          }
+      fresh = std::max(fresh, total - st.observed);
+      st.observed = std::max(st.observed, total);
+    }
+    if (opt_.params.score == channel::ChannelScore::kThink)
+      for (std::int32_t b = 0; b < info.batch; ++b)
+        for (std::int32_t l = 0; l < c.n_layers; ++l)
+          for (std::int32_t h = 0; h < H; ++h)
+            sel_->observe_q(l, h, info.queries[l] + (static_cast<std::size_t>(b) * c.n_heads + static_cast<std::size_t>(h) * G) * D);
+    const bool to_packed = sel_->tick(fresh);
+    if (opt_.params.mode != channel::ChannelMode::kDynamic) return;
+    if (to_packed) last_check_step_ = info.step;
+
+    // Fidelity guard (this step's logits were computed with the packed old tokens).
+    if (sel_->phase() == channel::ChannelPhase::kPacked && opt_.params.check_every > 0 &&
+        info.step - last_check_step_ >= opt_.params.check_every) {
+      last_check_step_ = info.step;
+      bool failed = false;
+      for (std::int32_t b = 0; b < info.batch; ++b) {
+        const SeqId id = info.seq_ids[b];
+        const SeqState* st = find(id);
+        if (st == nullptr || st->n_old == 0) continue;
+        KvchanCheck ch;
+        ch.step = info.step;
+        ch.seq = id;
+        ch.kv_bytes = eng.kv_bytes_in_use();
+        ch.full_kv_bytes = full_width_bytes(eng);
+        const std::vector<float> base = baseline_logits(eng, id);
+        ch.metrics = channel::compare_logits(base.data(), info.logits + static_cast<std::size_t>(b) * c.vocab_size,
+                                             c.vocab_size, opt_.params.thresholds);
+        failed = failed || !ch.metrics.passed;
+        checks_failed_ += ch.metrics.passed ? 0 : 1;
+        checks_.push_back(ch);
+        write_jsonl(ch, !ch.metrics.passed);
+      }
+      if (failed) back_off();
+    }
+    if (sel_->phase() != channel::ChannelPhase::kPacked) return;
+    for (SeqId id : ids) {
+      SeqState& st = seqs_[id];
+      if (!st.packed && st.n_old > 0) repack(st);
+      pack_overflow(eng, id, st);
+    }
+    peak_pool_bytes_ = std::max(peak_pool_bytes_, pool_bytes());
+  }
+
+  // Full-width bytes the same tokens would take in the engine's own pages.
+  std::int64_t full_width_bytes(const Engine& eng) const {
+    std::int64_t pages = 0;
+    const std::int32_t P = eng.options().page_size;
+    for (SeqId id : eng.sequences()) pages += (old_tokens(id) + eng.kv_len(id) + P - 1) / P;
+    return eng.pages_bytes(pages);
+  }
+
+  // Next-token logits of `id` from a fresh full-width engine on the same checkpoint.
+  static std::vector<float> baseline_logits(Engine& eng, SeqId id) {
+    const std::vector<std::int32_t> toks = eng.processed_tokens(id);
+    EngineOptions bo;
+    bo.page_size = eng.options().page_size;
+    bo.layout = eng.options().layout;
+    bo.max_batch = 1;
+    bo.threads = eng.options().threads;
+    bo.num_pages = static_cast<std::int32_t>((toks.size() + static_cast<std::size_t>(bo.page_size)) / bo.page_size + 1);
+    Engine base(eng.model().checkpoint_ptr(), bo);
+    const SeqId b = base.add_sequence(toks);
+    base.prefill(b);
+    base.step();
+    return base.last_logits(b);
+  }
+
+  void write_jsonl(const KvchanCheck& ch, bool backoff) {
+    if (!jsonl_) return;
+    std::ostringstream o;
+    o.precision(9);
+    o << "{\"step\":" << ch.step << ",\"seq\":" << ch.seq << ",\"mode\":\"" << channel::to_string(opt_.params.mode)
+      << "\",\"phase\":\"packed\",\"kv_bytes\":" << ch.kv_bytes << ",\"full_kv_bytes\":" << ch.full_kv_bytes
+      << ",\"kl\":" << ch.metrics.kl << ",\"overlap\":" << ch.metrics.overlap
+      << ",\"margin_drift\":" << ch.metrics.margin_drift << ",\"passed\":" << (ch.metrics.passed ? "true" : "false")
+      << ",\"backoff\":" << (backoff ? "true" : "false") << "}\n";
+    *jsonl_ << o.str();
+    jsonl_->flush();
+  }
+
+  void release_pages(SeqState& st) {
+    for (std::int32_t p : st.pages) (st.packed ? *packed_ : *full_).release(p);
+    st.pages.clear();
+    st.n_old = 0;
+  }
+
+  std::size_t vidx(std::int32_t l, std::int32_t h) const {
+    return (static_cast<std::size_t>(l) * sel_->n_kv_heads() + static_cast<std::size_t>(h)) * sel_->head_dim();
+  }
+
+  // Mean of each dropped V dim over the packed tokens (0 on kept dims).
+  void refresh_means(SeqState& st) {
+    if (!opt_.params.mean_compensation) return;
+    const std::int32_t D = sel_->head_dim();
+    st.v_mean.assign(st.v_sum.size(), 0.f);
+    if (st.n_old == 0) return;
+    for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
+      for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
+        std::vector<char> kept(static_cast<std::size_t>(D), 0);
+        const std::int32_t* s = sel_->packed_v(l) + h * sel_->r_v();
+        for (std::int32_t c = 0; c < sel_->r_v(); ++c) kept[static_cast<std::size_t>(s[c])] = 1;
+        for (std::int32_t d = 0; d < D; ++d)
+          if (!kept[static_cast<std::size_t>(d)])
+            st.v_mean[vidx(l, h) + d] = static_cast<float>(st.v_sum[vidx(l, h) + d] / st.n_old);
+      }
+  }
+
+  // Gathers one full-width token row pair into packed page (page, slot) for all layers/heads.
+  template <class RowK, class RowV>
+  void pack_token(SeqState& st, std::int32_t page, std::int32_t slot, RowK&& krow, RowV&& vrow) {
+    const std::int32_t D = sel_->head_dim();
+    for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
+      for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
+        const float* k = krow(l, h);
+        const float* v = vrow(l, h);
+        channel::pack_channels(k, 0, sel_->packed_k(l) + h * sel_->r_k(), sel_->r_k(), 1,
+                               packed_->k_row(l, page, slot, h), 0);
+        channel::pack_channels(v, 0, sel_->packed_v(l) + h * sel_->r_v(), sel_->r_v(), 1,
+                               packed_->v_row(l, page, slot, h), 0);
+        if (opt_.params.mean_compensation)
+          for (std::int32_t d = 0; d < D; ++d) st.v_sum[vidx(l, h) + d] += v[d];
+      }
+  }
+
+  void ensure_sums(SeqState& st) {
+    if (opt_.params.mean_compensation && st.v_sum.empty())
+      st.v_sum.assign(static_cast<std::size_t>(sel_->n_layers()) * sel_->n_kv_heads() * sel_->head_dim(), 0.0);
+  }
+
+  // Old tokens in the full-width pool -> packed with the current (frozen) sets.
+  void repack(SeqState& st) {
+    const std::int32_t P = packed_->page_size();
+    ensure_sums(st);
+    std::fill(st.v_sum.begin(), st.v_sum.end(), 0.0);
+    for (std::size_t i = 0; i < st.pages.size(); ++i) {
+      const std::int32_t src = st.pages[i], dst = packed_->allocate();
+      const std::int32_t n = std::min(P, st.n_old - static_cast<std::int32_t>(i) * P);
+      for (std::int32_t s = 0; s < n; ++s)
+        pack_token(st, dst, s, [&](std::int32_t l, std::int32_t h) { return full_->k_row(l, src, s, h); },
+                   [&](std::int32_t l, std::int32_t h) { return full_->v_row(l, src, s, h); });
+      full_->release(src);
+      st.pages[i] = dst;
+    }
+    st.packed = true;
+    refresh_means(st);
+  }
+
+  // Packed old tokens -> full width (dropped K dims 0; dropped V dims 0 or the mean).
+  void unpack(SeqState& st) {
+    if (!st.packed) return;
+    const std::int32_t P = packed_->page_size(), D = sel_->head_dim();
+    for (std::size_t i = 0; i < st.pages.size(); ++i) {
+      const std::int32_t src = st.pages[i], dst = full_->allocate();
+      const std::int32_t n = std::min(P, st.n_old - static_cast<std::int32_t>(i) * P);
+      for (std::int32_t s = 0; s < n; ++s)
+        for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
+          for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
+            channel::unpack_channels(packed_->k_row(l, src, s, h), 0, sel_->packed_k(l) + h * sel_->r_k(),
+                                     sel_->r_k(), D, 1, nullptr, full_->k_row(l, dst, s, h), 0);
+            channel::unpack_channels(packed_->v_row(l, src, s, h), 0, sel_->packed_v(l) + h * sel_->r_v(),
+                                     sel_->r_v(), D, 1, v_fill_of(st, l, h), full_->v_row(l, dst, s, h), 0);
+          }
+      packed_->release(src);
+      st.pages[i] = dst;
+    }
+    st.packed = false;
+    st.v_sum.clear();
+    st.v_mean.clear();
+  }
+
+  // Moves the engine's tokens older than the window (whole pages) into packed pages and
+  // gives the engine's pages back.
+  void pack_overflow(Engine& eng, SeqId id, SeqState& st) {
+    const std::int32_t P = eng.options().page_size, W = opt_.params.window;
+    const std::int32_t len = eng.kv_len(id);
+    if (len - W < P) return;
+    const std::int32_t n_pack = (len - W) / P * P, shift = n_pack / P;
+    KVKIT_CHECK(st.n_old % P == 0, "kvchan: internal: old tokens ", st.n_old, " not page aligned");
+    eng.make_exclusive(id);
+    const std::vector<SeqId> ids = eng.sequences();
+    const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
+    const std::vector<PagedKVView<float>>& views = eng.layer_views();
+    ensure_sums(st);
+    for (std::int32_t j = 0; j < shift; ++j) {
+      const std::int32_t dst = packed_->allocate();
+      for (std::int32_t s = 0; s < P; ++s) {
+        const std::int32_t e = j * P + s;
+        pack_token(st, dst, s, [&](std::int32_t l, std::int32_t h) { return views[static_cast<std::size_t>(l)].k_ptr(b, e, h); },
+                   [&](std::int32_t l, std::int32_t h) { return views[static_cast<std::size_t>(l)].v_ptr(b, e, h); });
+      }
+      st.pages.push_back(dst);
+    }
+    st.n_old += n_pack;
+    st.packed = true;
+    refresh_means(st);
+    // Window pages down by `shift` (one pair per call: a destination may be a later source).
+    const std::vector<std::int32_t> pages = eng.pages(id);
+    const std::int32_t keep = static_cast<std::int32_t>(pages.size()) - shift;
+    static const std::int32_t kZero[1] = {0};
+    for (std::int32_t l = 0; l < eng.config().n_layers; ++l) {
+      const PagedKVView<float> pv = make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
+                                                  eng.strides(), CsrPageTable{kZero, nullptr, nullptr, 0});
+      for (std::int32_t j = 0; j < keep; ++j) {
+        const Status s = copy_pages(eng.model().exec(), pv, &pages[static_cast<std::size_t>(j + shift)],
+                                    &pages[static_cast<std::size_t>(j)], 1);
+        if (!s.is_ok()) fail("kvchan: copying window page failed: ", s.to_string());
+      }
+    }
+    if (keep > 0) eng.notify_rewrite(id, std::vector<std::int32_t>(pages.begin(), pages.begin() + keep));
+    eng.truncate_kv(id, len - n_pack);
+  }
+
+  KvchanOptions opt_;
+  Engine* eng_ = nullptr;
+  std::unique_ptr<channel::ChannelSelector> sel_;
+  std::unique_ptr<channel::PackedPagePool<float>> packed_, full_;  // rK/rV pages, full-width pages
+  std::map<SeqId, SeqState> seqs_;
+  std::vector<KvchanCheck> checks_;
+  std::int64_t checks_failed_ = 0, last_check_step_ = 0, peak_pool_bytes_ = 0;
+  std::unique_ptr<std::ofstream> jsonl_;
+  // Attention scratch (grows to the largest batch once).
+  std::vector<std::int32_t> indptr_, indices_, last_len_;
+  std::vector<float> fill_;
+};
+
+}  // namespace engine
+}  // namespace kvkit

@@ -1,0 +1,199 @@
+#pragma once
+// Storage and attention of the ChannelSelector's packed tokens.
+//
+// PackedPagePool: a policy-owned page pool (one K and one V array per layer, NHD pages
+// of [page_size, Hkv, k_dim] / [page_size, Hkv, v_dim]) whose page ids are shared by all
+// layers, like an engine's pool. The ChannelSelector keeps a sequence's tokens older than
+// the full-width window in pages of such a pool with k_dim = rK, v_dim = rV, so their
+// bytes are rK/D and rV/D of the full-width bytes (the engine's full-width pages of those
+// tokens are given back to the engine). bytes_in_use() counts the pages handed out; the
+// pool grows by doubling and never shrinks its capacity (capacity_bytes()).
+//
+// channel_attention: decode attention over an old part (packed pages read with the
+// channel-restricted variant of paged_decode_attention: q·k on the rK selected dims, V
+// written to the rV selected dims of the output, zero elsewhere) and a full-width window
+// part (dense), merged in log-sum-exp form (merge_attention_states). Mean compensation
+// adds, to the old part's normalised output, a per-(sequence, kv head) vector `v_fill`
+// (the mean over packed tokens of each dropped V dim): since the old part's attention
+// weights sum to 1, this equals attention over V rows whose dropped dims hold that mean.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/exec.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/core/workspace.hpp"
+#include "kvkit/kernels/cpu/attention.hpp"
+#include "kvkit/kernels/params.hpp"
+
+namespace kvkit {
+namespace channel {
+
+/// A growable page pool of K rows of k_dim and V rows of v_dim elements per (token, head),
+/// one K and one V array per layer, page ids shared by the layers (see the file comment).
+template <class T>
+class PackedPagePool {
+ public:
+  PackedPagePool(std::int32_t n_layers, std::int32_t n_kv_heads, std::int32_t k_dim, std::int32_t v_dim,
+                 std::int32_t page_size)
+      : layers_(n_layers), heads_(n_kv_heads), kdim_(k_dim), vdim_(v_dim), page_size_(page_size) {
+    KVKIT_CHECK(n_layers >= 1 && n_kv_heads >= 1 && k_dim >= 1 && v_dim >= 1 && page_size >= 1,
+                "kvchan: packed pool geometry must be positive, got layers=", n_layers,
+                " heads=", n_kv_heads, " k_dim=", k_dim, " v_dim=", v_dim, " page_size=", page_size);
+    k_.resize(static_cast<std::size_t>(layers_));
+    v_.resize(static_cast<std::size_t>(layers_));
+  }
+
+  /// A free page id (the pool doubles its capacity, at least 16 pages, when none is free).
+  std::int32_t allocate() {
+    if (free_.empty()) grow(std::max<std::int32_t>(16, capacity_ * 2));
+    const std::int32_t p = free_.back();
+    free_.pop_back();
+    ++in_use_;
+    peak_ = std::max(peak_, in_use_);
+    return p;
+  }
+  /// Gives page `p` back (it must be in use).
+  void release(std::int32_t p) {
+    KVKIT_CHECK(p >= 0 && p < capacity_, "kvchan: release of page ", p, " outside [0, ", capacity_, ")");
+    KVKIT_CHECK(in_use_ > 0, "kvchan: release of page ", p, " with no page in use");
+    free_.push_back(p);
+    --in_use_;
+  }
+
+  std::int32_t pages_in_use() const { return in_use_; }
+  std::int32_t peak_pages_in_use() const { return peak_; }
+  std::int32_t capacity() const { return capacity_; }
+  std::int32_t k_dim() const { return kdim_; }
+  std::int32_t v_dim() const { return vdim_; }
+  std::int32_t page_size() const { return page_size_; }
+  /// K + V bytes of one page id over all layers.
+  std::int64_t page_bytes() const {
+    return static_cast<std::int64_t>(page_size_) * heads_ * (kdim_ + vdim_) * static_cast<std::int64_t>(sizeof(T)) *
+           layers_;
+  }
+  std::int64_t bytes_in_use() const { return page_bytes() * in_use_; }
+  std::int64_t peak_bytes() const { return page_bytes() * peak_; }
+  std::int64_t capacity_bytes() const { return page_bytes() * capacity_; }
+
+  /// Geometry and strides of one layer's arrays (NHD, densely packed).
+  KVGeometry geometry() const { return {heads_, kdim_, page_size_, std::max(1, capacity_), vdim_}; }
+  KVStrides k_strides() const { return packed_strides(geometry(), KVLayout::kNHD); }
+  KVStrides v_strides() const { return packed_v_strides(geometry(), KVLayout::kNHD); }
+  T* k(std::int32_t layer) { return k_.at(static_cast<std::size_t>(layer)).data(); }
+  T* v(std::int32_t layer) { return v_.at(static_cast<std::size_t>(layer)).data(); }
+  /// Row of (layer, page, slot, head) in the K / V arrays.
+  T* k_row(std::int32_t layer, std::int32_t page, std::int32_t slot, std::int32_t head) {
+    return k(layer) + ((static_cast<std::int64_t>(page) * page_size_ + slot) * heads_ + head) * kdim_;
+  }
+  T* v_row(std::int32_t layer, std::int32_t page, std::int32_t slot, std::int32_t head) {
+    return v(layer) + ((static_cast<std::int64_t>(page) * page_size_ + slot) * heads_ + head) * vdim_;
+  }
+
+ private:
+  void grow(std::int32_t cap) {
+    const std::size_t kp = static_cast<std::size_t>(page_size_) * heads_ * kdim_;
+    const std::size_t vp = static_cast<std::size_t>(page_size_) * heads_ * vdim_;
+    for (std::size_t l = 0; l < k_.size(); ++l) {
+      k_[l].resize(kp * static_cast<std::size_t>(cap), from_float<T>(0.f));
+      v_[l].resize(vp * static_cast<std::size_t>(cap), from_float<T>(0.f));
+    }
+    for (std::int32_t p = cap - 1; p >= capacity_; --p) free_.push_back(p);  // lowest id first out
+    capacity_ = cap;
+  }
+
+  std::int32_t layers_, heads_, kdim_, vdim_, page_size_;
+  std::vector<std::vector<T>> k_, v_;  // [n_layers][capacity * page elements]
+  std::vector<std::int32_t> free_;
+  std::int32_t capacity_ = 0, in_use_ = 0, peak_ = 0;
+};
+
+/// A view with only the geometry fields decode_shape reads set (for workspace sizing).
+template <class T>
+PagedKVView<T> shape_only_view(std::int32_t n_kv_heads, std::int32_t k_dim, std::int32_t v_dim,
+                               std::int32_t batch) {
+  PagedKVView<T> v;
+  v.num_kv_heads = n_kv_heads;
+  v.head_dim = k_dim;
+  v.v_head_dim = v_dim;
+  v.batch_size = batch;
+  v.page_size = 1;
+  return v;
+}
+
+/// Workspace bytes of channel_attention: both parts' outputs and lses, plus the larger
+/// of the two kernels' workspaces. `old_shape` needs only its geometry and batch set.
+template <class T>
+std::size_t channel_attention_workspace_size(exec::Host ex, const PagedKVView<T>& window,
+                                             const PagedKVView<T>& old_shape,
+                                             const DecodeAttentionParams& dense,
+                                             const DecodeAttentionParams& packed) {
+  const std::size_t rows = static_cast<std::size_t>(std::max(0, window.batch_size)) *
+                           static_cast<std::size_t>(std::max(0, dense.num_qo_heads));
+  const std::size_t dim = static_cast<std::size_t>(window.v_head_dim);
+  const std::size_t kern = std::max(paged_decode_attention_workspace_size(ex, window, dense),
+                                    paged_decode_attention_workspace_size(ex, old_shape, packed));
+  WorkspaceSizer sz;
+  sz.add<T>(rows * dim);
+  sz.add<float>(rows);
+  sz.add<T>(rows * dim);
+  sz.add<float>(rows);
+  sz.add<unsigned char>(kern);
+  return sz.bytes();
+}
+
+/// Attention of one layer over an old part (`old`, read with `packed` params: channel
+/// sets or none) and a window part (`window`, dense), merged by LSE into `out`. Both views
+/// have the same batch rows. `v_fill` (nullptr: none) is added to the old part's output
+/// of every sequence with old tokens (mean compensation). Never allocates; returns the
+/// kernels' Status.
+template <class T>
+Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const PagedKVView<T>& old,
+                         const T* q,                // [batch, Hq, q_dim]
+                         T* out,                    // [batch, Hq, q_dim]
+                         const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
+                         const float* v_fill,       // [batch, Hkv, q_dim] or nullptr
+                         Workspace ws) {
+  KVKIT_CHECK_STATUS(window.batch_size == old.batch_size, StatusCode::kInvalidArgument,
+                     "channel_attention: window batch ", window.batch_size, " != old batch ",
+                     old.batch_size);
+  KVKIT_CHECK_STATUS(window.head_dim == window.v_head_dim, StatusCode::kInvalidArgument,
+                     "channel_attention: the window must be full width");
+  const std::size_t need = channel_attention_workspace_size(ex, window, old, dense, packed);
+  KVKIT_CHECK_STATUS(ws.data != nullptr && ws.bytes >= need, StatusCode::kInvalidArgument,
+                     "channel_attention: workspace of ", ws.bytes, " bytes, needs ", need);
+  const std::int32_t B = window.batch_size, Hq = dense.num_qo_heads, D = window.v_head_dim;
+  const std::size_t rows = static_cast<std::size_t>(B) * static_cast<std::size_t>(Hq);
+  WorkspaceCarver c(ws);
+  T* out_o = c.take<T>(rows * D);
+  float* lse_o = c.take<float>(rows);
+  T* out_w = c.take<T>(rows * D);
+  float* lse_w = c.take<float>(rows);
+  const std::size_t kern = std::max(paged_decode_attention_workspace_size(ex, window, dense),
+                                    paged_decode_attention_workspace_size(ex, old, packed));
+  unsigned char* kws = c.take<unsigned char>(kern);
+  if (out_o == nullptr || kws == nullptr)
+    return make_status(StatusCode::kInvalidArgument, "channel_attention: workspace too small");
+  KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, old, q, out_o, packed, Workspace{kws, kern}, lse_o));
+  if (v_fill != nullptr) {
+    const std::int32_t G = Hq / old.num_kv_heads;
+    for (std::size_t r = 0; r < rows; ++r) {
+      if (lse_o[r] == -std::numeric_limits<float>::infinity()) continue;
+      const std::size_t b = r / static_cast<std::size_t>(Hq);
+      const std::int32_t h = static_cast<std::int32_t>(r % static_cast<std::size_t>(Hq)) / G;
+      const float* f = v_fill + (b * static_cast<std::size_t>(old.num_kv_heads) + static_cast<std::size_t>(h)) * D;
+      T* o = out_o + r * D;
+      for (std::int32_t d = 0; d < D; ++d) o[d] = from_float<T>(to_float(o[d]) + f[d]);
+    }
+  }
+  KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, window, q, out_w, dense, Workspace{kws, kern}, lse_w));
+  return merge_attention_states(ex, out_o, lse_o, out_w, lse_w, out, static_cast<float*>(nullptr),
+                                static_cast<std::int64_t>(rows), D);
+}
+
+}  // namespace channel
+}  // namespace kvkit
