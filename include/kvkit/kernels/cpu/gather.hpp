@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
@@ -14,6 +15,7 @@
 #include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
 #include "kvkit/kernels/cpu/row_copy.hpp"
+#include "kvkit/kernels/cpu/write_kv.hpp"
 #include "kvkit/kernels/params.hpp"
 
 namespace kvkit {
@@ -100,15 +102,16 @@ void compact_head_ascending(const PagedKVView<T>& view, std::int32_t b, std::int
 }  // namespace cpu
 }  // namespace detail
 
-/// Copies tokens token_ids[0..n) of sequence `seq` (or tokens 0..n-1 when token_ids is
-/// nullptr) into dense head-major buffers: k_out[h, i, :] = K[seq, token_ids[i], h].
-/// Returns kOutOfRange naming a token id outside [0, seq_len(seq)) or a bad sequence.
-template <class T>
-Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
-                     const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
-                     std::int32_t n,
-                     T* k_out,    // [Hkv, n, D]
-                     T* v_out) {  // [Hkv, n, Dv]
+namespace detail {
+namespace cpu {
+
+/// gather_tokens' body for a pool of dtype T and outputs of dtype O (T or float).
+template <class T, class O>
+Status gather_tokens_impl(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
+                          const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
+                          std::int32_t n,
+                          O* k_out,    // [Hkv, n, D]
+                          O* v_out) {  // [Hkv, n, Dv]
   KVKIT_RETURN_IF_ERROR(detail::check_host_view(view, /*check_table=*/false));
   KVKIT_CHECK_STATUS(seq >= 0 && seq < view.batch_size, StatusCode::kOutOfRange, "sequence ", seq,
                      " out of range [0, ", view.batch_size, ")");
@@ -154,15 +157,17 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
         const T* ks = view.k_data + view.k_offset(cur.page, cur.slot, 0);
         const T* vs = view.v_data + view.v_offset(cur.page, cur.slot, 0);
         for (std::int32_t h = 0; h < hkv; ++h) {
-          std::memcpy(k_out + (static_cast<std::int64_t>(h) * n + i) * dim, ks + h * ksh, bytes);
-          std::memcpy(v_out + (static_cast<std::int64_t>(h) * n + i) * vdim, vs + h * vsh, v_bytes);
+          detail::cpu::move_row(k_out + (static_cast<std::int64_t>(h) * n + i) * dim, ks + h * ksh,
+                                static_cast<std::size_t>(dim));
+          detail::cpu::move_row(v_out + (static_cast<std::int64_t>(h) * n + i) * vdim, vs + h * vsh,
+                                static_cast<std::size_t>(vdim));
         }
       }
     });
     return Status::ok();
   }
   // Head-major: item it = h * n + i (the output row). Runs of consecutive token ids within
-  // one page are contiguous on both sides when rows are packed, so they take one memcpy.
+  // one page are contiguous on both sides when rows are packed, so they take one copy.
   const bool packed = view.k_stride_token == dim && view.v_stride_token == vdim;
   const std::int32_t ahead = detail::cpu::rows_ahead(bytes);
   const std::int64_t items = static_cast<std::int64_t>(hkv) * n;
@@ -186,13 +191,41 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
         detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, ph), v_bytes);
       }
       const std::size_t run = static_cast<std::size_t>(r);
-      std::memcpy(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h), bytes * run);
-      std::memcpy(v_out + it * vdim, view.v_data + view.v_offset(cur.page, cur.slot, h),
-                  v_bytes * run);
+      detail::cpu::move_row(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h),
+                            static_cast<std::size_t>(dim) * run);
+      detail::cpu::move_row(v_out + it * vdim, view.v_data + view.v_offset(cur.page, cur.slot, h),
+                            static_cast<std::size_t>(vdim) * run);
       it += r;
     }
   });
   return Status::ok();
+}
+
+}  // namespace cpu
+}  // namespace detail
+
+/// Copies tokens token_ids[0..n) of sequence `seq` (or tokens 0..n-1 when token_ids is
+/// nullptr) into dense head-major buffers: k_out[h, i, :] = K[seq, token_ids[i], h].
+/// Returns kOutOfRange naming a token id outside [0, seq_len(seq)) or a bad sequence.
+template <class T>
+Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
+                     const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
+                     std::int32_t n,
+                     T* k_out,    // [Hkv, n, D]
+                     T* v_out) {  // [Hkv, n, Dv]
+  return detail::cpu::gather_tokens_impl(ex, view, seq, token_ids, n, k_out, v_out);
+}
+
+/// gather_tokens of a half or bfloat16 pool into float outputs (e.g. keys for a scorer
+/// that works in float): each row is widened as it is copied, bit for bit what to_float
+/// gives, with the vectorised converters of simd.hpp. Same checks and semantics.
+template <class T, class = std::enable_if_t<!std::is_same<T, float>::value>>
+Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
+                     const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
+                     std::int32_t n,
+                     float* k_out,    // [Hkv, n, D]
+                     float* v_out) {  // [Hkv, n, Dv]
+  return detail::cpu::gather_tokens_impl(ex, view, seq, token_ids, n, k_out, v_out);
 }
 
 /// Bytes of workspace compact_tokens needs: one staging slice of keep_stride K and V rows
