@@ -12,6 +12,10 @@
 //   gather/...       gather_tokens of an ascending half of each sequence
 //   copy_pages/...   copy_pages of half the pool onto the other half
 //   write_kv/...     write_kv of prefill-sized chunks into shuffled pages
+//   convert/...      write_kv from float rows into a half / bfloat16 pool and gather_tokens
+//                    from it into float outputs (converting copies, simd.hpp's convert)
+//                    vs the same through a scalar from_float / to_float loop and a
+//                    same-dtype kernel (what a caller did before the converting overloads)
 // The data-movement benchmarks compare with one memcpy of the same number of bytes (the
 // kept/moved tokens' K+V bytes). Buffers exceed the last-level cache (32 MiB on the
 // reference machine) so bandwidth, not cache, is measured; decode rotates over enough
@@ -760,6 +764,99 @@ void bm_write_kv(benchmark::State& state, std::int32_t page_size, KVLayout layou
   time_vs_memcpy(state, f, bytes, run);
 }
 
+/// Converting write_kv (float rows -> T pool) or gather_tokens (T pool -> float rows) vs
+/// the scalar route in the same iterations; counters: op_GBps and scalar_GBps (pool-side
+/// bytes per second) and speedup.
+template <class T>
+void bm_convert(benchmark::State& state, std::int32_t page_size, KVLayout layout, bool gather) {
+  auto& f = move_fixture<T>(page_size, layout);
+  const std::int64_t row = static_cast<std::int64_t>(kHkv) * kDim;
+  const std::int32_t num_tokens =
+      static_cast<std::int32_t>(std::min<std::size_t>(f.side_k.size() / row,
+                                                      static_cast<std::size_t>(f.seq_len)));
+  const std::size_t elems = static_cast<std::size_t>(num_tokens) * row;
+  std::vector<float> fk(elems), fv(elems), sk(elems), sv(elems);
+  std::mt19937_64& r = rng();
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (std::size_t i = 0; i < elems; ++i) {
+    fk[i] = nd(r);
+    fv[i] = nd(r);
+  }
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(num_tokens));
+  for (std::int32_t t = 0; t < num_tokens; ++t)
+    slots[static_cast<std::size_t>(t)] =
+        static_cast<std::int64_t>(f.view.page_id(0, t / page_size)) * page_size + t % page_size;
+  const kvkit::exec::Host ex{1};
+  auto op = [&]() -> kvkit::Status {
+    if (gather)
+      return kvkit::gather_tokens(ex, f.view, 0, nullptr, num_tokens, fk.data(), fv.data());
+    return kvkit::write_kv(ex, f.view, fk.data(), fv.data(), slots.data(), num_tokens, row);
+  };
+  auto scalar = [&]() -> kvkit::Status {
+    if (gather) {
+      KVKIT_RETURN_IF_ERROR(kvkit::gather_tokens(ex, f.view, 0, nullptr, num_tokens,
+                                                 f.side_k.data(), f.side_v.data()));
+      for (std::size_t i = 0; i < elems; ++i) {
+        sk[i] = kvkit::to_float(f.side_k[i]);
+        sv[i] = kvkit::to_float(f.side_v[i]);
+      }
+      return kvkit::Status::ok();
+    }
+    for (std::size_t i = 0; i < elems; ++i) {
+      f.side_k[i] = kvkit::from_float<T>(fk[i]);
+      f.side_v[i] = kvkit::from_float<T>(fv[i]);
+    }
+    return kvkit::write_kv(ex, f.view, f.side_k.data(), f.side_v.data(), slots.data(), num_tokens, row);
+  };
+  // Check: both routes give the same bits.
+  if (!op().is_ok() || !scalar().is_ok()) {
+    fail_bench(state, "kernel returned an error");
+    return;
+  }
+  if (gather ? (std::memcmp(fk.data(), sk.data(), elems * 4) != 0 ||
+                std::memcmp(fv.data(), sv.data(), elems * 4) != 0)
+             : false) {
+    fail_bench(state, "converting gather_tokens differs from the scalar route");
+    return;
+  }
+  if (!gather) {
+    std::vector<T> snap(f.view.k_slot_ptr(slots[0], 0), f.view.k_slot_ptr(slots[0], 0) + kDim);
+    if (!op().is_ok() || std::memcmp(snap.data(), f.view.k_slot_ptr(slots[0], 0), kDim * sizeof(T)) != 0) {
+      fail_bench(state, "converting write_kv differs from the scalar route");
+      return;
+    }
+  }
+  double t_op = 0, t_sc = 0;
+  std::int64_t iter = 0;
+  bool ok = true;
+  for (auto _ : state) {
+    double t_this = 0;
+    for (int j = 0; j < 2; ++j) {
+      const double t0 = now_seconds();
+      if ((iter + j) % 2 == 0) {
+        ok &= op().is_ok();
+        benchmark::ClobberMemory();
+        t_this = seconds_since(t0);
+        t_op += t_this;
+      } else {
+        ok &= scalar().is_ok();
+        benchmark::ClobberMemory();
+        t_sc += seconds_since(t0);
+      }
+    }
+    state.SetIterationTime(t_this);
+    ++iter;
+  }
+  if (!ok) {
+    fail_bench(state, "kernel returned an error");
+    return;
+  }
+  const double bytes = 2.0 * static_cast<double>(elems) * sizeof(T) * static_cast<double>(iter);
+  state.counters["op_GBps"] = bytes / t_op * 1e-9;
+  state.counters["scalar_GBps"] = bytes / t_sc * 1e-9;
+  state.counters["speedup"] = t_sc / t_op;
+}
+
 // ---------------------------------------------------------------------------------------
 // Registration
 
@@ -812,5 +909,14 @@ int main(int argc, char** argv) {
         register_decode<half_t>();
         register_moves<float>();
         register_moves<half_t>();
+        for (bool gather : {false, true}) {
+          const std::string op = gather ? "convert/gather_to_f32/" : "convert/write_kv_from_f32/";
+          benchmark::RegisterBenchmark((op + "f16/hnd/P16").c_str(), bm_convert<half_t>, 16,
+                                       KVLayout::kHND, gather)
+              ->UseManualTime()->Unit(benchmark::kMillisecond);
+          benchmark::RegisterBenchmark((op + "bf16/hnd/P16").c_str(), bm_convert<kvkit::bfloat16_t>,
+                                       16, KVLayout::kHND, gather)
+              ->UseManualTime()->Unit(benchmark::kMillisecond);
+        }
       });
 }

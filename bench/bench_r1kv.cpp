@@ -14,6 +14,16 @@
 // Both sides run on one thread and are timed by the thread's CPU time (the reference
 // machine is shared, so wall time mostly measures the neighbours); --kvkit_wall uses the
 // wall clock instead. --kvkit_small shrinks S for a smoke run.
+//
+// amortized/<dtype>/<order>/S4224: what compression costs a decoding engine per token.
+// One layer's paged KV (page 16, HND, shuffled pages, "shared" keys) at S = 4224 is
+// compressed to budget 4096 once every buffer = 128 decoded tokens: select straight from
+// the PagedKVView plus compact_tokens, divided by 128, as a fraction of one decode
+// attention step (paged_decode_attention, B 1, Hq 32) over the same 4224 tokens. Every
+// phase starts cold (a 64 MiB buffer is rewritten before it, as when an engine moves on
+// through the other layers) and the pool is restored before each compression. Counters:
+// select_ms, compact_ms, attn_ms, per_token_ms = (select + compact) / 128, and
+// frac_of_attn = per_token_ms / attn_ms (frac_select_only without the compaction).
 
 #include <benchmark/benchmark.h>
 #include <time.h>
@@ -30,6 +40,7 @@
 #include <vector>
 
 #include "kvkit/compressor/r1kv.hpp"
+#include "kvkit/kernels/cpu.hpp"
 
 namespace {
 
@@ -198,7 +209,115 @@ void bm_r1kv(benchmark::State& state, int s, int budget, bool shared, int thread
   }
 }
 
+// The amortized benchmark (see the top comment).
+template <class T>
+void bm_amortized(benchmark::State& state, cp::KeepOrder order) {
+  const int s = g_small ? 4224 / 8 : 4224, budget = g_small ? 4096 / 8 : 4096;
+  constexpr int kPage = 16, kBuffer = 128;
+  const int pages = (s + kPage - 1) / kPage, pool_pages = pages + 4;
+  std::mt19937_64 rng(99);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(pool_pages));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(static_cast<std::size_t>(pages));
+  const std::vector<std::int32_t> indptr{0, pages}, last{s - (pages - 1) * kPage};
+  const kvkit::KVGeometry g{kHkv, kDim, kPage, pool_pages};
+  const kvkit::KVStrides st = kvkit::packed_strides(g, kvkit::KVLayout::kHND);
+  const std::size_t elems = static_cast<std::size_t>(pool_pages) * kPage * kHkv * kDim;
+  std::vector<T> k(elems), v(elems), q_win(static_cast<std::size_t>(kHq) * kLq * kDim),
+      q_dec(static_cast<std::size_t>(kHq) * kDim), out(q_dec.size());
+  const Data d = make_data(s, budget, /*shared=*/true);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& x : v) x = T(nd(rng));
+  for (auto& x : k) x = T(nd(rng));
+  auto view = kvkit::make_csr_view<T>(g, k.data(), st, v.data(), st,
+                                      kvkit::CsrPageTable{indptr.data(), ids.data(), last.data(), 1});
+  for (int h = 0; h < kHkv; ++h)
+    for (int j = 0; j < s; ++j)
+      for (int e = 0; e < kDim; ++e)
+        view.k_ptr(0, j, h)[e] = T(d.keys[(static_cast<std::size_t>(h) * s + j) * kDim + e]);
+  for (std::size_t i = 0; i < q_win.size(); ++i) q_win[i] = T(d.queries[i]);
+  for (auto& x : q_dec) x = T(nd(rng));
+  const std::vector<T> k0 = k, v0 = v;
+
+  cp::Params p;
+  p.budget = budget;
+  p.buffer = kBuffer;
+  p.order = order;
+  const cp::R1KVCompressor comp(p);
+  const kvkit::exec::Host ex{1};
+  std::vector<unsigned char> sel_ws(comp.workspace_size(ex, cp::Shape{kHkv, kHq, kDim, s, kLq}) + 1);
+  std::vector<std::int32_t> keep(static_cast<std::size_t>(kHkv) * budget);
+  std::int32_t nk = 0;
+  std::vector<unsigned char> cmp_ws(kvkit::compact_tokens_workspace_size(ex, view, budget) + 1);
+  kvkit::DecodeAttentionParams ap;
+  ap.num_qo_heads = kHq;
+  ap.sm_scale = 1.f / std::sqrt(static_cast<float>(kDim));
+  std::vector<unsigned char> att_ws(kvkit::paged_decode_attention_workspace_size(ex, view, ap) + 1);
+  std::vector<unsigned char> flush(64u << 20);
+  unsigned char salt = 0;
+  auto cold = [&] { std::memset(flush.data(), ++salt, flush.size()); benchmark::ClobberMemory(); };
+
+  double t_sel = 0, t_cmp = 0, t_att = 0;
+  bool ok = true;
+  for (auto _ : state) {
+    std::memcpy(k.data(), k0.data(), k.size() * sizeof(T));
+    std::memcpy(v.data(), v0.data(), v.size() * sizeof(T));
+    cold();
+    double t0 = now_s();
+    ok &= kvkit::paged_decode_attention(ex, view, q_dec.data(), out.data(), ap,
+                                        kvkit::Workspace{att_ws.data(), att_ws.size()}).is_ok();
+    benchmark::ClobberMemory();
+    t_att += now_s() - t0;
+    cold();
+    t0 = now_s();
+    ok &= comp.select(ex, view, 0, q_win.data(), kHq, kLq, keep.data(), budget, &nk,
+                      kvkit::Workspace{sel_ws.data(), sel_ws.size()}).is_ok();
+    const double t1 = now_s();
+    t_sel += t1 - t0;
+    ok &= kvkit::compact_tokens(ex, view, keep.data(), &nk, budget,
+                                kvkit::Workspace{cmp_ws.data(), cmp_ws.size()}).is_ok();
+    benchmark::ClobberMemory();
+    const double t2 = now_s();
+    t_cmp += t2 - t1;
+    state.SetIterationTime(t2 - t0);  // one compression (select + compact)
+  }
+  if (!ok || nk != budget) {
+    state.SkipWithError("select, compact_tokens or attention failed");
+    g_failed = true;
+    return;
+  }
+  // Spot check: kept row i of head h is the old row keep[h][i].
+  for (int h = 0; h < kHkv; h += 3)
+    for (int i = 0; i < budget; i += 97) {
+      const std::int32_t src = keep[static_cast<std::size_t>(h) * budget + i];
+      const std::size_t off = static_cast<std::size_t>(view.k_ptr(0, src, h) - k.data());
+      if (std::memcmp(view.k_ptr(0, i, h), k0.data() + off, kDim * sizeof(T)) != 0) {
+        state.SkipWithError("compact_tokens moved the wrong rows");
+        g_failed = true;
+        return;
+      }
+    }
+  const double n = static_cast<double>(state.iterations());
+  const double sel = t_sel / n * 1e3, cmp = t_cmp / n * 1e3, att = t_att / n * 1e3;
+  state.counters["select_ms"] = sel;
+  state.counters["compact_ms"] = cmp;
+  state.counters["attn_ms"] = att;
+  state.counters["per_token_ms"] = (sel + cmp) / kBuffer;
+  state.counters["frac_of_attn"] = (sel + cmp) / kBuffer / att;
+  state.counters["frac_select_only"] = sel / kBuffer / att;
+}
+
 void register_all() {
+  for (cp::KeepOrder order : {cp::KeepOrder::kReference, cp::KeepOrder::kPositional}) {
+    const std::string o = order == cp::KeepOrder::kReference ? "reference" : "positional";
+    benchmark::RegisterBenchmark(("amortized/f32/" + o + "/S4224").c_str(),
+                                 [=](benchmark::State& st) { bm_amortized<float>(st, order); })
+        ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(g_small ? 2 : 10);
+    benchmark::RegisterBenchmark(("amortized/f16/" + o + "/S4224").c_str(),
+                                 [=](benchmark::State& st) { bm_amortized<kvkit::half_t>(st, order); })
+        ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(g_small ? 2 : 10);
+  }
   for (bool shared : {false, true})
     for (auto sb : {std::make_pair(1152, 1024), std::make_pair(4224, 4096)})
       for (int t : {1}) {

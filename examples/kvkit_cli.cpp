@@ -7,6 +7,8 @@
 //   kvkit generate ... --policy NAME [policy options] [--compare-full]
 //   kvkit chat     --model M.gguf [--system S] [--max-tokens N] [--json]   (turns on stdin)
 //   kvkit trace    [engine options] --out DIR [--json]
+//   kvkit r1kv     --keys K.npy --queries Q.npy --values V.npy --budget B ... --out KEPT.npy
+//                  (one R1KV compression from .npy files; see cli/cmd_r1kv.hpp)
 //   kvkit --version | --help;  kvkit <command> --help
 //
 // Without --model a deterministic synthetic checkpoint of the stories260K shape is used. A
@@ -40,6 +42,7 @@
 
 #include "cli/cmd_probe.hpp"
 #include "cli/policies.hpp"
+#include "cli/cmd_r1kv.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
 #include "engine/fidelity.hpp"
@@ -1079,6 +1082,7 @@ int fail(bool json, int code, const std::string& msg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "r1kv") return kvkit::cli::run_r1kv(argc - 1, argv + 1);
   // --json is known before parsing, so even a parse error can answer in JSON.
   bool json = false;
   for (int i = 1; i < argc; ++i) json = json || std::string(argv[i]) == "--json";

@@ -244,6 +244,109 @@ TEMPLATE_TEST_CASE("compact_tokens keeps the listed tokens per head and nothing 
           }
 }
 
+namespace {
+
+// Ascending keep lists shaped to hit every branch of compact_tokens' in-place pass:
+// everything kept (nothing moves), one token dropped (a long in-place prefix, then runs
+// shifted by one), every other token (runs of 1), random runs crossing page boundaries,
+// the last nk tokens (every row moves, sources and destinations in different pages), and
+// a random subset.
+std::vector<std::int32_t> patterned_keep(int pattern, std::int32_t len, std::mt19937_64& rng) {
+  std::vector<std::int32_t> kl;
+  switch (pattern) {
+    case 0:
+      for (std::int32_t t = 0; t < len; ++t) kl.push_back(t);
+      break;
+    case 1: {
+      const std::int32_t drop = len / 2;
+      for (std::int32_t t = 0; t < len; ++t)
+        if (t != drop || len == 1) kl.push_back(t);
+      break;
+    }
+    case 2:
+      for (std::int32_t t = 0; t < len; t += 2) kl.push_back(t);
+      break;
+    case 3: {
+      std::uniform_int_distribution<std::int32_t> run(1, 40), gap(1, 5);
+      for (std::int32_t t = gap(rng) - 1; t < len;) {
+        for (std::int32_t r = run(rng); r > 0 && t < len; --r) kl.push_back(t++);
+        t += gap(rng);
+      }
+      if (kl.empty()) kl.push_back(len - 1);
+      break;
+    }
+    case 4:
+      for (std::int32_t t = len / 3; t < len; ++t) kl.push_back(t);
+      break;
+    default: {
+      std::uniform_int_distribution<std::int32_t> u(1, len);
+      kl = random_distinct(u(rng), len, rng);
+      std::sort(kl.begin(), kl.end());
+    }
+  }
+  return kl;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("compact_tokens in place: runs, prefixes in place, page crossings, strides",
+                   "[cpu][compact]", float, half_t, bfloat16_t) {
+  using T = TestType;
+  KVKIT_TEST_RNG(rng);
+  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
+    for (std::int32_t ps : {1, 3, 16, 64})
+      for (std::int32_t dim : {8, 32, 128})
+        for (std::int32_t padding : {0, 8})
+          for (std::int32_t heads : {1, 8}) {
+            CAPTURE(to_string(layout), ps, dim, padding, heads);
+            PoolSpec spec = make_spec(layout, PageTableKind::kCsr, heads, dim, ps,
+                                      {5 * ps + 7, 1, 2 * ps, 300, 6 * ps});
+            spec.row_padding = padding;
+            auto [a, b] = twin_pools<T>(spec, rng);
+            KeepLists kl;
+            for (std::int32_t len : a.seq_lens) kl.stride = std::max(kl.stride, len);
+            const std::int32_t batch = a.batch_size();
+            kl.keep.assign(static_cast<std::size_t>(batch) * heads * kl.stride, -1);
+            for (std::int32_t s = 0; s < batch; ++s) {
+              const std::int32_t len = a.seq_lens[static_cast<std::size_t>(s)];
+              // One num_keep per sequence: every head's list is cut (or padded with the
+              // tail) to the same length.
+              std::vector<std::vector<std::int32_t>> lists;
+              std::size_t nk = static_cast<std::size_t>(len);
+              for (std::int32_t h = 0; h < heads; ++h) {
+                lists.push_back(patterned_keep((s + h) % 6, len, rng));
+                nk = std::min(nk, lists.back().size());
+              }
+              kl.num_keep.push_back(static_cast<std::int32_t>(nk));
+              for (std::int32_t h = 0; h < heads; ++h)
+                std::copy(lists[static_cast<std::size_t>(h)].begin(),
+                          lists[static_cast<std::size_t>(h)].begin() + static_cast<std::ptrdiff_t>(nk),
+                          kl.keep.begin() + (static_cast<std::ptrdiff_t>(s) * heads + h) * kl.stride);
+            }
+            std::vector<T> want_k = a.k, want_v = a.v;
+            for (std::int32_t s = 0; s < batch; ++s)
+              for (std::int32_t h = 0; h < heads; ++h)
+                for (std::int32_t i = 0; i < kl.num_keep[static_cast<std::size_t>(s)]; ++i) {
+                  const std::int32_t src =
+                      kl.keep[(static_cast<std::size_t>(s) * heads + h) * kl.stride + i];
+                  for (std::int32_t d = 0; d < dim; ++d) {
+                    want_k[a.token_index(s, i, h, d)] = a.k[a.token_index(s, src, h, d)];
+                    want_v[a.token_index(s, i, h, d)] = a.v[a.token_index(s, src, h, d)];
+                  }
+                }
+            for (int threads : {1, 2}) {
+              RandomPool<T>& pool = threads == 1 ? a : b;
+              const exec::Host ex{threads};
+              std::vector<unsigned char> ws =
+                  workspace_bytes(compact_tokens_workspace_size(ex, pool.view, kl.stride));
+              REQUIRE(compact_tokens(ex, pool.view, kl.keep.data(), kl.num_keep.data(), kl.stride,
+                                     Workspace{ws.data(), ws.size()})
+                          .is_ok());
+              require_pool_equals(pool, want_k, want_v);
+            }
+          }
+}
+
 TEMPLATE_TEST_CASE("copy_pages copies whole pages and nothing else", "[cpu][copy_pages]", float,
                    half_t, bfloat16_t) {
   using T = TestType;

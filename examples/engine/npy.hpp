@@ -1,5 +1,6 @@
 #pragma once
-// Minimal NumPy .npy files (format version 1.0, C order, little-endian '<f4' and '<i8'),
+// Minimal NumPy .npy files (format version 1.0, C order, little-endian '<f4', '<f8' and
+// '<i8'),
 // so traces of the engine open directly with numpy.load.
 //
 // Layout: magic "\x93NUMPY", version bytes 1 0, a little-endian uint16 header length,
@@ -24,6 +25,10 @@ struct NpyDescr;
 template <>
 struct NpyDescr<float> {
   static constexpr const char* value = "<f4";
+};
+template <>
+struct NpyDescr<double> {
+  static constexpr const char* value = "<f8";
 };
 template <>
 struct NpyDescr<std::int64_t> {
@@ -60,7 +65,8 @@ inline std::string npy_header(const char* descr, const std::vector<std::int64_t>
   return out + dict;
 }
 
-/// Writes `data` (prod(shape) elements, C order) as a .npy file. T is float or int64_t.
+/// Writes `data` (prod(shape) elements, C order) as a .npy file. T is float, double or
+/// int64_t.
 /// Throws kvkit::Error when the file cannot be written.
 template <class T>
 void write_npy(const std::string& path, const T* data /* [prod(shape)] */,
@@ -82,7 +88,7 @@ void write_npy(const std::string& path, const T* data /* [prod(shape)] */,
 
 /// A .npy file read back: its descr, shape and raw little-endian payload.
 struct NpyArray {
-  std::string descr;                  // "<f4" or "<i8"
+  std::string descr;                  // "<f4", "<f8" or "<i8"
   std::vector<std::int64_t> shape;
   std::vector<unsigned char> bytes;   // [prod(shape) * item size]
 
@@ -102,7 +108,7 @@ struct NpyArray {
   }
 };
 
-/// Reads a v1.0 .npy file written by write_npy (C order, '<f4' or '<i8'); throws
+/// Reads a v1.0 .npy file written by write_npy (C order, '<f4', '<f8' or '<i8'); throws
 /// kvkit::Error naming the problem for anything else or for a wrong payload size.
 inline NpyArray read_npy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -128,8 +134,8 @@ inline NpyArray read_npy(const std::string& path) {
   const std::size_t q = dict.find('\'', p + 1);
   KVKIT_CHECK(dict[p] == '\'' && q != std::string::npos, "kvkit: '", path, "' has a bad descr");
   a.descr = dict.substr(p + 1, q - p - 1);
-  KVKIT_CHECK(a.descr == "<f4" || a.descr == "<i8", "kvkit: '", path, "' has dtype ", a.descr,
-              ", only <f4 and <i8 are supported");
+  KVKIT_CHECK(a.descr == "<f4" || a.descr == "<f8" || a.descr == "<i8", "kvkit: '", path,
+              "' has dtype ", a.descr, ", only <f4, <f8 and <i8 are supported");
   p = field("fortran_order");
   KVKIT_CHECK(dict.compare(p, 5, "False") == 0, "kvkit: '", path, "' is in Fortran order");
   p = field("shape");
@@ -146,7 +152,7 @@ inline NpyArray read_npy(const std::string& path) {
     for (; i < dims.size() && dims[i] >= '0' && dims[i] <= '9'; ++i) d = d * 10 + (dims[i] - '0');
     a.shape.push_back(d);
   }
-  const std::size_t expect = static_cast<std::size_t>(a.size()) * 4 * (a.descr == "<i8" ? 2 : 1);
+  const std::size_t expect = static_cast<std::size_t>(a.size()) * (a.descr == "<f4" ? 4 : 8);
   a.bytes.resize(expect);
   if (expect) in.read(reinterpret_cast<char*>(a.bytes.data()), static_cast<std::streamsize>(expect));
   KVKIT_CHECK(in.good(), "kvkit: '", path, "' payload is shorter than shape implies (",

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
@@ -13,6 +14,8 @@
 #include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
+#include "kvkit/kernels/cpu/row_copy.hpp"
+#include "kvkit/kernels/cpu/write_kv.hpp"
 #include "kvkit/kernels/params.hpp"
 
 namespace kvkit {
@@ -26,18 +29,89 @@ inline std::int32_t rows_ahead(std::size_t step_bytes) {
       std::max<std::size_t>(1, 8192 / std::max<std::size_t>(1, step_bytes)));
 }
 
+
+/// The in-place pass of compact_tokens for one (sequence b, kv head h) whose keep list
+/// kl[0..nk) is strictly ascending, so kl[i] >= i and every source row is read before its
+/// slot is overwritten. Walks the kept rows source page by source page: one page-table
+/// load per source page and per destination page, row addresses by pointer increments;
+/// rows already in place (the prefix where kl[i] == i) are skipped; consecutive kept
+/// slots that are also consecutive in the destination page are moved as one run when
+/// rows are packed; the kept rows `ahead` positions ahead are prefetched.
+template <class T>
+void compact_head_ascending(const PagedKVView<T>& view, std::int32_t b, std::int32_t h,
+                            const std::int32_t* kl,  // [nk] strictly ascending
+                            std::int32_t nk, std::int32_t ahead) {
+  const std::int32_t ps = view.page_size;
+  const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.head_dim);
+  const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(view.v_head_dim);
+  const std::int64_t kst = view.k_stride_token, vst = view.v_stride_token;
+  const bool packed = kst == view.head_dim && vst == view.v_head_dim;
+  std::int32_t i = 0;
+  while (i < nk && kl[i] == i) ++i;  // already in place
+  if (i == nk) return;
+  // Prefetch cursor: kept rows up to `pf` have been prefetched.
+  PageCursor pre;
+  std::int32_t pf = i;
+  auto prefetch_to = [&](std::int32_t upto) {
+    for (; pf < std::min(nk, upto); ++pf) {
+      pre.seek(view, b, kl[pf]);
+      prefetch_bytes(view.k_data + view.k_offset(pre.page, pre.slot, h), bytes);
+      prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, h), v_bytes);
+    }
+  };
+  prefetch_to(i + ahead);
+  // Destination: row i of logical page i / ps.
+  std::int32_t dpi = i / ps, dslot = i - dpi * ps;
+  T* kd = view.k_data + view.k_offset(view.page_id(b, dpi), dslot, h);
+  T* vd = view.v_data + view.v_offset(view.page_id(b, dpi), dslot, h);
+  while (i < nk) {
+    // One source page: kept rows i..j of logical page spi.
+    const std::int32_t t0 = kl[i];
+    const std::int32_t spi = t0 / ps, first = spi * ps;
+    const std::int32_t page = view.page_id(b, spi);
+    const T* ks = view.k_data + view.k_offset(page, 0, h);
+    const T* vs = view.v_data + view.v_offset(page, 0, h);
+    const std::int32_t limit = first + ps;
+    while (i < nk && kl[i] < limit) {
+      prefetch_to(i + ahead);
+      if (dslot == ps) {  // next destination page
+        ++dpi;
+        dslot = 0;
+        const std::int32_t dp = view.page_id(b, dpi);
+        kd = view.k_data + view.k_offset(dp, 0, h);
+        vd = view.v_data + view.v_offset(dp, 0, h);
+      }
+      const std::int32_t slot = kl[i] - first;
+      std::int32_t r = 1;
+      if (packed) {
+        const std::int32_t max_r = std::min({nk - i, ps - dslot, ps - slot});
+        while (r < max_r && kl[i + r] == kl[i] + r) ++r;
+      }
+      if (kl[i] != i) {
+        copy_rows(kd, ks + slot * kst, bytes * static_cast<std::size_t>(r));
+        copy_rows(vd, vs + slot * vst, v_bytes * static_cast<std::size_t>(r));
+      }
+      kd += kst * r;
+      vd += vst * r;
+      dslot += r;
+      i += r;
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace detail
 
-/// Copies tokens token_ids[0..n) of sequence `seq` (or tokens 0..n-1 when token_ids is
-/// nullptr) into dense head-major buffers: k_out[h, i, :] = K[seq, token_ids[i], h].
-/// Returns kOutOfRange naming a token id outside [0, seq_len(seq)) or a bad sequence.
-template <class T>
-Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
-                     const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
-                     std::int32_t n,
-                     T* k_out,    // [Hkv, n, D]
-                     T* v_out) {  // [Hkv, n, Dv]
+namespace detail {
+namespace cpu {
+
+/// gather_tokens' body for a pool of dtype T and outputs of dtype O (T or float).
+template <class T, class O>
+Status gather_tokens_impl(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
+                          const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
+                          std::int32_t n,
+                          O* k_out,    // [Hkv, n, D]
+                          O* v_out) {  // [Hkv, n, Dv]
   KVKIT_RETURN_IF_ERROR(detail::check_host_view(view, /*check_table=*/false));
   KVKIT_CHECK_STATUS(seq >= 0 && seq < view.batch_size, StatusCode::kOutOfRange, "sequence ", seq,
                      " out of range [0, ", view.batch_size, ")");
@@ -83,15 +157,17 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
         const T* ks = view.k_data + view.k_offset(cur.page, cur.slot, 0);
         const T* vs = view.v_data + view.v_offset(cur.page, cur.slot, 0);
         for (std::int32_t h = 0; h < hkv; ++h) {
-          std::memcpy(k_out + (static_cast<std::int64_t>(h) * n + i) * dim, ks + h * ksh, bytes);
-          std::memcpy(v_out + (static_cast<std::int64_t>(h) * n + i) * vdim, vs + h * vsh, v_bytes);
+          detail::cpu::move_row(k_out + (static_cast<std::int64_t>(h) * n + i) * dim, ks + h * ksh,
+                                static_cast<std::size_t>(dim));
+          detail::cpu::move_row(v_out + (static_cast<std::int64_t>(h) * n + i) * vdim, vs + h * vsh,
+                                static_cast<std::size_t>(vdim));
         }
       }
     });
     return Status::ok();
   }
   // Head-major: item it = h * n + i (the output row). Runs of consecutive token ids within
-  // one page are contiguous on both sides when rows are packed, so they take one memcpy.
+  // one page are contiguous on both sides when rows are packed, so they take one copy.
   const bool packed = view.k_stride_token == dim && view.v_stride_token == vdim;
   const std::int32_t ahead = detail::cpu::rows_ahead(bytes);
   const std::int64_t items = static_cast<std::int64_t>(hkv) * n;
@@ -115,13 +191,41 @@ Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
         detail::prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, ph), v_bytes);
       }
       const std::size_t run = static_cast<std::size_t>(r);
-      std::memcpy(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h), bytes * run);
-      std::memcpy(v_out + it * vdim, view.v_data + view.v_offset(cur.page, cur.slot, h),
-                  v_bytes * run);
+      detail::cpu::move_row(k_out + it * dim, view.k_data + view.k_offset(cur.page, cur.slot, h),
+                            static_cast<std::size_t>(dim) * run);
+      detail::cpu::move_row(v_out + it * vdim, view.v_data + view.v_offset(cur.page, cur.slot, h),
+                            static_cast<std::size_t>(vdim) * run);
       it += r;
     }
   });
   return Status::ok();
+}
+
+}  // namespace cpu
+}  // namespace detail
+
+/// Copies tokens token_ids[0..n) of sequence `seq` (or tokens 0..n-1 when token_ids is
+/// nullptr) into dense head-major buffers: k_out[h, i, :] = K[seq, token_ids[i], h].
+/// Returns kOutOfRange naming a token id outside [0, seq_len(seq)) or a bad sequence.
+template <class T>
+Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
+                     const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
+                     std::int32_t n,
+                     T* k_out,    // [Hkv, n, D]
+                     T* v_out) {  // [Hkv, n, Dv]
+  return detail::cpu::gather_tokens_impl(ex, view, seq, token_ids, n, k_out, v_out);
+}
+
+/// gather_tokens of a half or bfloat16 pool into float outputs (e.g. keys for a scorer
+/// that works in float): each row is widened as it is copied, bit for bit what to_float
+/// gives, with the vectorised converters of simd.hpp. Same checks and semantics.
+template <class T, class = std::enable_if_t<!std::is_same<T, float>::value>>
+Status gather_tokens(exec::Host ex, PagedKVView<T> view, std::int32_t seq,
+                     const std::int32_t* token_ids,  // [n] or nullptr for 0..n-1
+                     std::int32_t n,
+                     float* k_out,    // [Hkv, n, D]
+                     float* v_out) {  // [Hkv, n, Dv]
+  return detail::cpu::gather_tokens_impl(ex, view, seq, token_ids, n, k_out, v_out);
 }
 
 /// Bytes of workspace compact_tokens needs: one staging slice of keep_stride K and V rows
@@ -145,7 +249,9 @@ std::size_t compact_tokens_workspace_size(exec::Host ex, const PagedKVView<T>& v
 /// head; kInvalidArgument when ws is smaller than compact_tokens_workspace_size(ex, ...)),
 /// so a failed call changes nothing. Strictly ascending keep lists are compacted by one
 /// forward pass (keep[i] >= i, so no source is overwritten before it is read); others
-/// are staged through the workspace. The pages of the sequences being compacted must not
+/// are staged through the workspace. The ascending pass walks each head's kept rows
+/// source page by source page (one page-table load per page, rows already in place
+/// skipped, consecutive kept slots moved as one run, rows prefetched ahead). The pages of the sequences being compacted must not
 /// be shared with other sequences (copy them first with copy_pages).
 template <class T>
 Status compact_tokens(exec::Host ex, PagedKVView<T> view,
@@ -190,104 +296,40 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
     return make_status(StatusCode::kInvalidArgument, "workspace of ", ws.bytes, " bytes too small");
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(dim);
   const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(vdim);
-  const std::int64_t ksh = view.k_stride_head, vsh = view.v_stride_head;
-  // NHD: heads of a token are adjacent, so the heads of one item move in lockstep
-  // (destination token rows are written whole). Head-major: one head per item, with runs
-  // of consecutive kept tokens moved by one memmove when rows are packed.
-  const bool token_major = view.k_layout == KVLayout::kNHD;
-  constexpr std::int32_t kMaxLock = 16;
-  const std::int32_t hpi =
-      token_major ? detail::heads_per_item(ex, view.batch_size, hkv, kMaxLock) : 1;
-  const bool packed = view.k_stride_token == dim && view.v_stride_token == vdim;
-  const std::int32_t ahead = detail::cpu::rows_ahead(bytes * static_cast<std::size_t>(hpi));
-  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * (hkv / hpi);
+  // One (sequence, head) per item in either layout: heads choose their rows
+  // independently, and a head's pass walks its own kept rows page by page.
+  const std::int32_t ahead = detail::cpu::rows_ahead(bytes + v_bytes);
+  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * hkv;
   detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int worker) {
     T* kst = staging + static_cast<std::size_t>(worker) * slice;
     T* vst = kst + static_cast<std::size_t>(keep_stride) * dim;
     for (std::int64_t it = begin; it < end; ++it) {
-      const std::int32_t b = static_cast<std::int32_t>(it / (hkv / hpi));
-      const std::int32_t h0 = static_cast<std::int32_t>(it % (hkv / hpi)) * hpi;
+      const std::int32_t b = static_cast<std::int32_t>(it / hkv);
+      const std::int32_t h = static_cast<std::int32_t>(it % hkv);
       const std::int32_t nk = num_keep[b];
       if (nk == 0) continue;
-      const std::int32_t* kls[kMaxLock];  // keep lists of the ascending heads
-      std::int32_t heads[kMaxLock];
-      std::int32_t na = 0;
-      for (std::int32_t hh = h0; hh < h0 + hpi; ++hh) {
-        const std::int32_t* kl = keep + (static_cast<std::int64_t>(b) * hkv + hh) * keep_stride;
-        bool ascending = true;
-        for (std::int32_t i = 1; i < nk && ascending; ++i) ascending = kl[i] > kl[i - 1];
-        if (ascending) {
-          kls[na] = kl;
-          heads[na++] = hh;
-          continue;
-        }
-        // Any order: stage the kept rows, then write them back in order.
-        detail::PageCursor cur;
-        for (std::int32_t i = 0; i < nk; ++i) {
-          cur.seek(view, b, kl[i]);
-          std::memcpy(kst + static_cast<std::size_t>(i) * dim,
-                      view.k_data + view.k_offset(cur.page, cur.slot, hh), bytes);
-          std::memcpy(vst + static_cast<std::size_t>(i) * vdim,
-                      view.v_data + view.v_offset(cur.page, cur.slot, hh), v_bytes);
-        }
-        for (std::int32_t i = 0; i < nk; ++i) {
-          cur.seek(view, b, i);
-          std::memcpy(view.k_data + view.k_offset(cur.page, cur.slot, hh),
-                      kst + static_cast<std::size_t>(i) * dim, bytes);
-          std::memcpy(view.v_data + view.v_offset(cur.page, cur.slot, hh),
-                      vst + static_cast<std::size_t>(i) * vdim, v_bytes);
-        }
+      const std::int32_t* kl = keep + (static_cast<std::int64_t>(b) * hkv + h) * keep_stride;
+      bool ascending = true;
+      for (std::int32_t i = 1; i < nk && ascending; ++i) ascending = kl[i] > kl[i - 1];
+      if (ascending) {
+        detail::cpu::compact_head_ascending(view, b, h, kl, nk, ahead);
+        continue;
       }
-      if (na == 0) continue;
-      // Ascending: one forward pass (keep[i] >= i, so no source is overwritten before it
-      // is read). Rows of one head never overlap partially; runs may, hence memmove.
-      detail::PageCursor dst, src[kMaxLock], pre[kMaxLock];
-      std::int32_t next_pf = 0;
-      for (std::int32_t i = 0; i < nk;) {
-        for (; next_pf < std::min(nk, i + ahead); ++next_pf)
-          for (std::int32_t a = 0; a < na; ++a) {
-            const std::int32_t t = kls[a][next_pf];
-            if (t == next_pf) continue;
-            pre[a].seek(view, b, t);
-            const detail::PageCursor& pc = pre[a];
-            detail::prefetch_bytes(view.k_data + view.k_offset(pc.page, pc.slot, heads[a]), bytes);
-            detail::prefetch_bytes(view.v_data + view.v_offset(pc.page, pc.slot, heads[a]), v_bytes);
-          }
-        dst.seek(view, b, i);
-        if (na == 1 && packed) {  // head-major run of consecutive tokens
-          const std::int32_t* kl = kls[0];
-          const std::int32_t t = kl[i];
-          src[0].seek(view, b, t);
-          const std::int32_t max_r =
-              std::min({nk - i, dst.size - dst.slot, src[0].size - src[0].slot});
-          std::int32_t r = 1;
-          while (r < max_r && kl[i + r] == t + r) ++r;
-          if (t != i) {
-            const std::size_t run = static_cast<std::size_t>(r);
-            const std::int32_t h = heads[0];
-            std::memmove(view.k_data + view.k_offset(dst.page, dst.slot, h),
-                         view.k_data + view.k_offset(src[0].page, src[0].slot, h), bytes * run);
-            std::memmove(view.v_data + view.v_offset(dst.page, dst.slot, h),
-                         view.v_data + view.v_offset(src[0].page, src[0].slot, h), v_bytes * run);
-          }
-          i += r;
-          continue;
-        }
-        T* kd = view.k_data + view.k_offset(dst.page, dst.slot, 0);
-        T* vd = view.v_data + view.v_offset(dst.page, dst.slot, 0);
-        for (std::int32_t a = 0; a < na; ++a) {  // K rows, then V rows: two streams
-          const std::int32_t t = kls[a][i];
-          if (t == i) continue;
-          src[a].seek(view, b, t);
-          std::memcpy(kd + heads[a] * ksh,
-                      view.k_data + view.k_offset(src[a].page, src[a].slot, heads[a]), bytes);
-        }
-        for (std::int32_t a = 0; a < na; ++a) {
-          if (kls[a][i] == i) continue;
-          std::memcpy(vd + heads[a] * vsh,
-                      view.v_data + view.v_offset(src[a].page, src[a].slot, heads[a]), v_bytes);
-        }
-        ++i;
+      // Any order: stage the kept rows, then write them back in order.
+      detail::PageCursor cur;
+      for (std::int32_t i = 0; i < nk; ++i) {
+        cur.seek(view, b, kl[i]);
+        std::memcpy(kst + static_cast<std::size_t>(i) * dim,
+                    view.k_data + view.k_offset(cur.page, cur.slot, h), bytes);
+        std::memcpy(vst + static_cast<std::size_t>(i) * vdim,
+                    view.v_data + view.v_offset(cur.page, cur.slot, h), v_bytes);
+      }
+      for (std::int32_t i = 0; i < nk; ++i) {
+        cur.seek(view, b, i);
+        std::memcpy(view.k_data + view.k_offset(cur.page, cur.slot, h),
+                    kst + static_cast<std::size_t>(i) * dim, bytes);
+        std::memcpy(view.v_data + view.v_offset(cur.page, cur.slot, h),
+                    vst + static_cast<std::size_t>(i) * vdim, v_bytes);
       }
     }
   });
