@@ -259,6 +259,33 @@ TEST_CASE("idle timeout, max active and page budget evict whole conversations in
     CHECK(cache.reclaim(5) == 0);
     CHECK(cache.metrics().pages_freed == 6 + 3);
   }
+  SECTION("trim_under_pressure drops tail pages of the least recent conversation first") {
+    BlockAllocator a3(32);
+    AllocatorPageHost h3(a3, 4);
+    Params q;
+    q.trim_under_pressure = true;
+    ConversationCache<float> c3(h3, q, clock.fn());
+    for (const char* id : {"x", "y"}) {
+      c3.create(id);
+      std::vector<std::int32_t> toks(10, 5), pages;  // 3 pages, the last holds 2 tokens
+      for (int i = 0; i < 3; ++i) pages.push_back(a3.allocate());
+      c3.suspend(id, toks, pages);
+      for (std::int32_t pg : pages) a3.release(pg);
+    }
+    const std::vector<std::int32_t> xp = c3.pages("x");
+    CHECK(c3.reclaim(2) == 2);
+    CHECK(c3.pages("x") == std::vector<std::int32_t>{xp[0]});
+    CHECK(c3.tokens("x").size() == 4);  // the prefix on the kept full page
+    CHECK(c3.state("x") == State::kSuspended);
+    CHECK(c3.reclaim(2) == 2);  // x's last page, then y's tail page
+    CHECK(c3.state("x") == State::kEvicted);
+    CHECK(c3.pages("y").size() == 2);
+    CHECK(c3.metrics().pages_trimmed == 4);
+    Resume r = c3.resume("y", std::vector<std::int32_t>(12, 5));
+    CHECK(r.cached_len == 8);
+    for (std::int32_t pg : r.pages) a3.release(pg);
+    CHECK(a3.pages_in_use() == 0);
+  }
   SECTION("page budget") {
     BlockAllocator a2(32);
     AllocatorPageHost h2(a2, 4);

@@ -22,10 +22,11 @@
 //
 // Eviction (whole conversations, least recently active first): the idle timeout
 // (evict_idle(), also checked on every create / suspend / resume), max_active (running +
-// suspended conversations), page_budget (distinct pages the cache holds) and allocator
+// suspended conversations), page_budget (page references the cache holds) and allocator
 // pressure: reclaim(n) evicts until n pages went back to the host's free list (a page
 // shared with a fork or a running request is not freed by dropping the cache's reference,
-// so reclaim keeps going). With a BlockStore, an evicted conversation is first spilled:
+// so reclaim keeps going; Params::trim_under_pressure drops only as many tail pages of the
+// LRU conversation as needed, so its prefix stays resumable). With a BlockStore, an evicted conversation is first spilled:
 // its pages are saved as content-addressed blocks (chained BlockHash of the page's tokens;
 // the partial last page is saved whole, named by the hash of the tokens it holds), and
 // resume restores as many leading blocks as load back intact, into freshly allocated pages
@@ -109,9 +110,13 @@ inline constexpr int kNumEvictReasons = 5;
 struct Params {
   double idle_timeout_s = 0.0;        // evict a suspended conversation idle this long; 0: never
   std::int32_t max_active = 0;        // running + suspended conversations; 0: no limit
-  std::int32_t page_budget = 0;       // distinct pages the cache may hold; 0: no own limit
+  std::int32_t page_budget = 0;       // page references the cache may hold (a page shared by
+                                      // forks counts once per holder); 0: no own limit
   bool spill = false;                 // spill evicted conversations to the BlockStore
   bool fork_copies_partial_page = false;  // copy the shared partial page at fork time
+  bool trim_under_pressure = false;  // reclaim(n) drops the LRU conversation's pages from its
+                                     // tail, as many as needed (its prefix stays cached),
+                                     // instead of evicting it whole; ignored with spill
 };
 
 /// Cumulative counters (for reports and the chat demo's JSON).
@@ -125,6 +130,7 @@ struct Metrics {
   std::uint64_t evictions = 0;           // conversations evicted (any reason)
   std::uint64_t evictions_by[kNumEvictReasons] = {};
   std::uint64_t pages_freed = 0;         // pages eviction returned to the free list
+  std::uint64_t pages_trimmed = 0;       // tail pages dropped by trim_under_pressure
   std::uint64_t spills = 0;              // evictions that saved >= 1 block
   std::uint64_t spilled_blocks = 0;
   std::uint64_t spill_failures = 0;      // saves that stopped early (a shorter prefix kept)
@@ -205,44 +211,21 @@ class ConversationCache {
   /// running conversation or an empty prompt, changing nothing.
   Resume resume(const std::string& id, const std::int32_t* prompt,  // [n]
                 std::size_t n) {
-    Conv& c = live(id, "resume");
-    KVKIT_CHECK(c.state != State::kRunning, "kvkit: resume of conversation '", id,
-                "': its turn ", c.turn, " is still running (suspend it first)");
-    KVKIT_CHECK(n > 0 && prompt != nullptr, "kvkit: resume of conversation '", id,
-                "' with an empty prompt");
-    // Idle conversations go first, this one excepted (it is about to be used).
-    lru_remove(c);
-    evict_idle();
-    Resume r;
-    const std::size_t limit = n - 1;  // the request must feed at least one token
-    std::size_t common = 0;
-    while (common < c.tokens.size() && common < limit && c.tokens[common] == prompt[common]) ++common;
-    if (c.state == State::kSpilled) common = restore(c, common, &r);
-    if (c.state == State::kEvicted) common = 0;
-    // Keep ceil(common / ps) pages; release the rest (divergence or the n - 1 cap).
-    const std::size_t keep = (common + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
-    m_.tokens_released += c.tokens.size() - std::min(c.tokens.size(), common);
-    while (c.pages.size() > keep) {
-      release_page(c.pages.back());
-      c.pages.pop_back();
-    }
-    for (std::int32_t pg : c.pages) forget_ref(pg);  // references move to the request
-    r.pages = std::move(c.pages);
-    c.pages.clear();
-    c.tokens.clear();
-    c.hashes.clear();
-    r.cached_len = static_cast<std::int32_t>(common);
-    r.turn = ++c.turn;
-    c.state = State::kRunning;
-    c.last = clock_();
-    ++running_;
-    ++m_.resumes;
-    m_.prompt_tokens += n;
-    if (common > 0) ++m_.hits;
-    m_.tokens_restored += static_cast<std::uint64_t>(r.restored_tokens);
-    m_.tokens_reused += common - static_cast<std::size_t>(r.restored_tokens);
-    enforce_limits(nullptr);
-    return r;
+    Conv& c = check_resume(id, n);
+    KVKIT_CHECK(prompt != nullptr, "kvkit: resume of conversation '", id, "': null prompt");
+    const std::size_t limit = std::min(c.tokens.size(), n - 1);  // feed at least one token
+    const std::size_t common = static_cast<std::size_t>(
+        std::mismatch(c.tokens.begin(), c.tokens.begin() + static_cast<std::ptrdiff_t>(limit), prompt).first -
+        c.tokens.begin());
+    return finish_resume(c, common, n);
+  }
+
+  /// resume() for a caller that guarantees its prompt of `n` tokens extends the cached
+  /// tokens (it appended the new turn to the previous request's tokens, as `kvkit chat`
+  /// does): no token comparison, so the cost does not grow with the history.
+  Resume resume_extending(const std::string& id, std::size_t n) {
+    Conv& c = check_resume(id, n);
+    return finish_resume(c, std::min(c.tokens.size(), n - 1), n);
   }
   Resume resume(const std::string& id, const std::vector<std::int32_t>& prompt) {
     return resume(id, prompt.data(), prompt.size());
@@ -269,10 +252,8 @@ class ConversationCache {
     for (std::size_t i = 0; i < npages; ++i)
       KVKIT_CHECK(pages[i] >= 0 && host_->refcount(pages[i]) > 0, "kvkit: suspend of conversation '",
                   id, "': page ", pages[i], " is not allocated");
-    for (std::size_t i = 0; i < npages; ++i) {
-      host_->retain(pages[i]);
-      add_ref(pages[i]);
-    }
+    for (std::size_t i = 0; i < npages; ++i) host_->retain(pages[i]);
+    held_refs_ += static_cast<std::int64_t>(npages);
     c.pages.assign(pages, pages + npages);
     c.tokens.assign(tokens, tokens + n);
     c.state = State::kSuspended;
@@ -338,8 +319,8 @@ class ConversationCache {
       } else {
         host_->retain(d.pages[i]);
       }
-      add_ref(d.pages[i]);
     }
+    held_refs_ += static_cast<std::int64_t>(d.pages.size());
     s.last = d.last;
     lru_remove(s);
     lru_push(src, s);
@@ -351,10 +332,27 @@ class ConversationCache {
   }
 
   /// Allocator pressure: evicts suspended conversations, least recently active first,
-  /// until `n_pages` pages were freed or none is left. Returns the pages freed.
+  /// until `n_pages` pages were freed or none is left (Params::trim_under_pressure: drops
+  /// their pages tail first instead, keeping prefixes). Returns the pages freed.
   std::int32_t reclaim(std::int32_t n_pages) {
     std::int32_t freed = 0;
-    while (freed < n_pages && !lru_.empty()) freed += evict_conv(lru_.front(), EvictReason::kPressure);
+    while (freed < n_pages && !lru_.empty()) {
+      if (!p_.trim_under_pressure || p_.spill) {
+        freed += evict_conv(lru_.front(), EvictReason::kPressure);
+        continue;
+      }
+      // Tail first: the remaining prefix ends on a full page, still valid to resume from.
+      Conv& c = convs_.at(lru_.front());
+      while (freed < n_pages && !c.pages.empty()) {
+        const std::int32_t f = release_page(c.pages.back());
+        c.pages.pop_back();
+        c.tokens.resize(std::min(c.tokens.size(), c.pages.size() * static_cast<std::size_t>(ps_)));
+        freed += f;
+        ++m_.pages_trimmed;
+        m_.pages_freed += static_cast<std::uint64_t>(f);
+      }
+      if (c.pages.empty()) evict_conv(lru_.front(), EvictReason::kPressure);
+    }
     return freed;
   }
 
@@ -393,10 +391,17 @@ class ConversationCache {
   std::int32_t active() const { return running_ + static_cast<std::int32_t>(lru_.size()); }
   std::int32_t suspended() const { return static_cast<std::int32_t>(lru_.size()); }
   std::int32_t size() const { return static_cast<std::int32_t>(convs_.size()); }
-  /// Distinct pages the cache holds a reference to.
-  std::int32_t held_pages() const { return static_cast<std::int32_t>(refs_.size()); }
-  /// References the cache holds on each page (for allocator invariant checks).
-  const std::unordered_map<std::int32_t, std::int32_t>& references() const { return refs_; }
+  /// Page references the cache holds (what page_budget limits).
+  std::int64_t held_references() const { return held_refs_; }
+  /// References the cache holds on each page (for allocator invariant checks; O(held)).
+  std::unordered_map<std::int32_t, std::int32_t> references() const {
+    std::unordered_map<std::int32_t, std::int32_t> r;
+    for (const auto& kv : convs_)
+      for (std::int32_t pg : kv.second.pages) ++r[pg];
+    return r;
+  }
+  /// Distinct pages the cache holds a reference to (O(held)).
+  std::int32_t held_pages() const { return static_cast<std::int32_t>(references().size()); }
   /// Suspended conversations, least recently active first (the eviction order).
   std::vector<std::string> lru_order() const { return std::vector<std::string>(lru_.begin(), lru_.end()); }
 
@@ -411,6 +416,49 @@ class ConversationCache {
     bool in_lru = false;
     std::list<std::string>::iterator lru_it;
   };
+
+  Conv& check_resume(const std::string& id, std::size_t n) {
+    Conv& c = live(id, "resume");
+    KVKIT_CHECK(c.state != State::kRunning, "kvkit: resume of conversation '", id,
+                "': its turn ", c.turn, " is still running (suspend it first)");
+    KVKIT_CHECK(n > 0, "kvkit: resume of conversation '", id, "' with an empty prompt");
+    return c;
+  }
+
+  // The cached tokens [0, common) match the prompt of n tokens: restore (spilled), keep
+  // their pages, release the rest, hand the kept references to the request.
+  Resume finish_resume(Conv& c, std::size_t common, std::size_t n) {
+    // Idle conversations go first, this one excepted (it is about to be used).
+    lru_remove(c);
+    evict_idle();
+    Resume r;
+    if (c.state == State::kSpilled) common = restore(c, common, &r);
+    if (c.state == State::kEvicted) common = 0;
+    // Keep ceil(common / ps) pages; release the rest (divergence or the n - 1 cap).
+    const std::size_t keep = (common + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+    m_.tokens_released += c.tokens.size() - std::min(c.tokens.size(), common);
+    while (c.pages.size() > keep) {
+      release_page(c.pages.back());
+      c.pages.pop_back();
+    }
+    held_refs_ -= static_cast<std::int64_t>(c.pages.size());  // references move to the request
+    r.pages = std::move(c.pages);
+    c.pages.clear();
+    c.tokens.clear();
+    c.hashes.clear();
+    r.cached_len = static_cast<std::int32_t>(common);
+    r.turn = ++c.turn;
+    c.state = State::kRunning;
+    c.last = clock_();
+    ++running_;
+    ++m_.resumes;
+    m_.prompt_tokens += n;
+    if (common > 0) ++m_.hits;
+    m_.tokens_restored += static_cast<std::uint64_t>(r.restored_tokens);
+    m_.tokens_reused += common - static_cast<std::size_t>(r.restored_tokens);
+    enforce_limits(nullptr);
+    return r;
+  }
 
   Conv& live(const std::string& id, const char* op) {
     return const_cast<Conv&>(static_cast<const ConversationCache*>(this)->clive(id, op));
@@ -435,14 +483,9 @@ class ConversationCache {
     c.in_lru = false;
   }
 
-  void add_ref(std::int32_t page) { ++refs_[page]; }
-  void forget_ref(std::int32_t page) {
-    auto it = refs_.find(page);
-    if (--it->second == 0) refs_.erase(it);
-  }
   // Drops the cache's reference; returns 1 when that freed the page.
   std::int32_t release_page(std::int32_t page) {
-    forget_ref(page);
+    --held_refs_;
     return host_->release(page) == 0 ? 1 : 0;
   }
   std::int32_t drop_pages(Conv& c) {
@@ -456,7 +499,7 @@ class ConversationCache {
     while (p_.max_active > 0 && active() > p_.max_active && !lru_.empty() &&
            &convs_.at(lru_.front()) != keep)
       evict_conv(lru_.front(), EvictReason::kMaxActive);
-    while (p_.page_budget > 0 && held_pages() > p_.page_budget && !lru_.empty() &&
+    while (p_.page_budget > 0 && held_refs_ > p_.page_budget && !lru_.empty() &&
            &convs_.at(lru_.front()) != keep)
       evict_conv(lru_.front(), EvictReason::kPageBudget);
   }
@@ -531,7 +574,7 @@ class ConversationCache {
     if (loaded == 0) return 0;
     ++m_.restores;
     m_.restored_blocks += loaded;
-    for (std::int32_t pg : pages) add_ref(pg);  // resume() moves them on to the request
+    held_refs_ += static_cast<std::int64_t>(pages.size());  // resume() moves them on to the request
     c.pages = std::move(pages);
     c.state = State::kSuspended;
     const std::size_t got = std::min(common, loaded * static_cast<std::size_t>(ps_));
@@ -547,7 +590,7 @@ class ConversationCache {
   std::unordered_map<std::string, Conv> convs_;
   std::unordered_set<std::string> ended_;
   std::list<std::string> lru_;  // suspended ids, least recently active first
-  std::unordered_map<std::int32_t, std::int32_t> refs_;  // page -> cache references
+  std::int64_t held_refs_ = 0;  // page references held (suspended conversations' pages)
   std::int32_t running_ = 0;
   Metrics m_;
 };
