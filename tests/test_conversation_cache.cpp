@@ -19,6 +19,9 @@
 #include "conversation_fixture.hpp"
 #include "kvkit/conversation/conversation_cache.hpp"
 #include "kvkit/store/block_store.hpp"
+#include "engine/gguf.hpp"
+#include "engine/gguf_checkpoint.hpp"
+#include "engine/tokenizer.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
@@ -559,5 +562,39 @@ TEST_CASE("bad inputs throw naming the value and lose or leak no page", "[conver
   check_invariants(eng, c2);
   eng.free_sequence(s);
   c2.end("x");
+  CHECK(eng.pages_in_use() == 0);
+}
+
+TEST_CASE("SmolLM2: a resumed ChatML turn decodes what recomputing the chat decodes", "[conversation][smollm2]") {
+  const std::string path = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::filesystem::exists(path)) {
+    WARN("skipped: no model file " << path << " (run scripts/fetch-model.sh)");
+    return;
+  }
+  const GgufFile g = GgufFile::open(path);
+  auto ck = std::make_shared<const Checkpoint>(load_gguf_checkpoint(g));
+  const Tokenizer tok = Tokenizer::from_gguf(g);
+  const ChatTemplate tmpl = ChatTemplate::from_gguf(g);
+  EngineOptions o = small_options(16, 16);
+  o.max_batch = 1;
+  Engine eng(ck, o);
+  EngineConversationHost host(eng);
+  ConversationCache<float> cache(host, Params{});
+  const std::vector<std::int32_t> p1 = tmpl.encode(tok, {{"user", "What is the capital of France?"}}, true);
+  SeqId s = start_turn(eng, cache, "chat", p1);
+  decode_turn(eng, s, 4, true);
+  std::vector<std::int32_t> p2 = eng.tokens(s);
+  finish_turn(eng, cache, "chat", s);
+  const auto more = tok.encode("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n", false, true);
+  p2.insert(p2.end(), more.begin(), more.end());
+  Resume r;
+  s = start_turn(eng, cache, "chat", p2, &r);
+  CHECK(r.cached_len == static_cast<std::int32_t>(p1.size()) + 3);  // prompt + 3 processed reply tokens
+  const TurnOut got = decode_turn(eng, s, 3, true);
+  const TurnOut ref = recompute(ck, o, p2, 3, true);
+  CHECK(got.tokens == ref.tokens);
+  for (std::size_t i = 0; i < got.logits.size(); ++i) CHECK(rel_err(got.logits[i], ref.logits[i]) < 1e-4);
+  eng.free_sequence(s);
+  cache.end("chat");
   CHECK(eng.pages_in_use() == 0);
 }
