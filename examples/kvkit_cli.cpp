@@ -43,6 +43,7 @@
 #include "cli/cmd_probe.hpp"
 #include "cli/policies.hpp"
 #include "cli/cmd_r1kv.hpp"
+#include "cli/cmd_chat_demo.hpp"  // kvkit chat-demo
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
 #include "engine/fidelity.hpp"
@@ -1086,6 +1087,7 @@ int main(int argc, char** argv) {
   // --json is known before parsing, so even a parse error can answer in JSON.
   bool json = false;
   for (int i = 1; i < argc; ++i) json = json || std::string(argv[i]) == "--json";
+  if (argc > 1 && std::string(argv[1]) == "chat-demo") return kvkit::cli::run_chat_demo(argc - 1, argv + 1);
   try {
     Options o;
     if (!parse_args(argc, argv, o)) return 0;

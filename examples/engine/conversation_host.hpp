@@ -1,0 +1,119 @@
+#pragma once
+// The example engine as a ConversationCache host (kvkit/conversation/conversation_cache.hpp):
+// EngineConversationHost implements PageHost over the engine's allocator and K/V pools,
+// AllocatorPageHost over a bare BlockAllocator (benchmarks and tests on synthetic pages),
+// and start_turn / finish_turn run one chat turn's request through the cache.
+//
+// Typical turn loop:
+//   EngineConversationHost host(eng);
+//   ConversationCache<float> cache(host, params);
+//   eng.set_reclaim([&](std::int32_t n) { return cache.reclaim(n); });
+//   SeqId s = start_turn(eng, cache, "c1", prompt);    // create or resume
+//   eng.prefill(s); ... eng.step() ...                   // the turn
+//   finish_turn(eng, cache, "c1", s);                    // suspend + free the request
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/block_allocator.hpp"
+#include "engine/engine.hpp"
+#include "kvkit/conversation/conversation_cache.hpp"
+
+namespace kvkit {
+namespace engine {
+
+/// PageHost over an Engine: pages of its allocator, copies of all layers' K and V, and
+/// per-layer pool views for a BlockStore.
+class EngineConversationHost final : public conversation::PageHost<float> {
+ public:
+  explicit EngineConversationHost(Engine& eng) : eng_(&eng) {
+    for (int l = 0; l < eng.config().n_layers; ++l)
+      views_.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
+                                     eng.strides(), CsrPageTable{kZero, nullptr, nullptr, 0}));
+  }
+  std::int32_t page_size() const override { return eng_->options().page_size; }
+  std::int32_t try_allocate() override { return eng_->allocator().try_allocate(); }
+  void retain(std::int32_t page) override { eng_->allocator().retain(page); }
+  std::int32_t release(std::int32_t page) override {
+    eng_->allocator().release(page);
+    return eng_->allocator().refcount(page);
+  }
+  std::int32_t refcount(std::int32_t page) const override { return eng_->allocator().refcount(page); }
+  void copy_page(std::int32_t src, std::int32_t dst) override {
+    for (const PagedKVView<float>& v : views_) {
+      const Status st = copy_pages(eng_->model().exec(), v, &src, &dst, 1);
+      if (!st.is_ok()) fail("kvkit: copying page ", src, " to ", dst, " failed: ", st.to_string());
+    }
+  }
+  const PagedKVView<float>* pool_views() override { return views_.data(); }
+
+ private:
+  static constexpr std::int32_t kZero[1] = {0};
+  Engine* eng_;
+  std::vector<PagedKVView<float>> views_;  // [n_layers]
+};
+
+/// PageHost over a bare BlockAllocator (no K/V storage: no copies, no spill).
+class AllocatorPageHost final : public conversation::PageHost<float> {
+ public:
+  AllocatorPageHost(BlockAllocator& alloc, std::int32_t page_size) : a_(&alloc), ps_(page_size) {}
+  std::int32_t page_size() const override { return ps_; }
+  std::int32_t try_allocate() override { return a_->try_allocate(); }
+  void retain(std::int32_t page) override { a_->retain(page); }
+  std::int32_t release(std::int32_t page) override {
+    a_->release(page);
+    return a_->refcount(page);
+  }
+  std::int32_t refcount(std::int32_t page) const override { return a_->refcount(page); }
+  void copy_page(std::int32_t, std::int32_t) override {}
+  const PagedKVView<float>* pool_views() override { return nullptr; }
+
+ private:
+  BlockAllocator* a_;
+  std::int32_t ps_;
+};
+
+/// Adds the request of conversation `id`'s next turn, whose full prompt is `prompt`
+/// (history + new tokens): creates the conversation when the cache does not know it (and
+/// it was not ended), else resumes it with its cached pages. On failure (a bad prompt) the
+/// handed pages are released and the turn aborted, then the error propagates.
+inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cache,
+                        const std::string& id, const std::vector<std::int32_t>& prompt,
+                        conversation::Resume* info = nullptr) {
+  conversation::Resume r;
+  if (!cache.contains(id) && !cache.ended(id)) {
+    cache.create(id);
+  } else {
+    r = cache.resume(id, prompt);
+  }
+  SeqId s = -1;
+#if KVKIT_HAS_EXCEPTIONS
+  try {
+#endif
+    s = eng.add_sequence(prompt, r.pages, r.cached_len);
+#if KVKIT_HAS_EXCEPTIONS
+  } catch (...) {
+    for (std::int32_t p : r.pages) eng.allocator().release(p);
+    cache.abort_turn(id);
+    throw;
+  }
+#endif
+  if (info != nullptr) *info = std::move(r);
+  return s;
+}
+
+/// Ends the turn of request `seq` of conversation `id`: the cache keeps the K/V of its
+/// processed tokens (the pending last generated token is the next turn's first new
+/// token), then the request is freed. The sequence must cache every processed token.
+inline void finish_turn(Engine& eng, conversation::ConversationCache<float>& cache,
+                        const std::string& id, SeqId seq) {
+  KVKIT_CHECK(eng.kv_len(seq) == eng.position(seq), "kvkit: finish_turn: sequence ", seq, " caches ",
+              eng.kv_len(seq), " of its ", eng.position(seq), " processed tokens");
+  const std::vector<std::int32_t> done = eng.processed_tokens(seq);
+  cache.suspend(id, done, eng.pages(seq));
+  eng.free_sequence(seq);
+}
+
+}  // namespace engine
+}  // namespace kvkit

@@ -1,0 +1,599 @@
+#pragma once
+// ConversationCache: keeps a conversation's KV pages alive between turns, so turn k
+// processes only its new tokens (seed conversation-caching.md, issue 19).
+//
+// State per conversation id: the pages holding its K/V (one cache reference each), the
+// token ids those pages cover ("computed tokens": K/V present for exactly these), the turn
+// number and the time of its last activity. Lifecycle:
+//   create(id)                 a new conversation, running its first turn (holds no pages);
+//   suspend(id, tokens, pages) the turn finished: the cache retains every page of the
+//                              request, the partly filled last page included (block-level
+//                              prefix caching cannot reuse that one), then the caller frees
+//                              its request;
+//   resume(id, prompt)         the next turn: the longest common prefix L of the cached
+//                              tokens and the prompt is kept (L = all cached tokens when the
+//                              prompt extends them; at most prompt length - 1, so the request
+//                              has a token to feed), pages past ceil(L / page_size) are
+//                              released, and the kept pages' references are handed to the
+//                              request, which starts with L tokens cached;
+//   end(id)                    frees everything; resuming it later is an error.
+// A running conversation holds no cache references, so eviction can never take pages of a
+// running request: those references belong to the request.
+//
+// Eviction (whole conversations, least recently active first): the idle timeout
+// (evict_idle(), also checked on every create / suspend / resume), max_active (running +
+// suspended conversations), page_budget (page references the cache holds) and allocator
+// pressure: reclaim(n) evicts until n pages went back to the host's free list (a page
+// shared with a fork or a running request is not freed by dropping the cache's reference,
+// so reclaim keeps going; Params::trim_under_pressure drops only as many tail pages of the
+// LRU conversation as needed, so its prefix stays resumable). With a BlockStore, an evicted conversation is first spilled:
+// its pages are saved as content-addressed blocks (chained BlockHash of the page's tokens;
+// the partial last page is saved whole, named by the hash of the tokens it holds), and
+// resume restores as many leading blocks as load back intact, into freshly allocated pages
+// (a failed or missing block is a miss: those tokens are recomputed, never wrong).
+//
+// Branching: fork(src, dst) gives dst the same pages, shared by refcount; the host's
+// copy-on-write copies a shared partly filled page before writing into it (set
+// Params::fork_copies_partial_page for a host without copy-on-write: the partial page is
+// copied at fork time through PageHost::copy_page).
+//
+// The cache talks to the engine only through PageHost (allocate, retain, release,
+// refcount, copy, per-layer pool views for the store), so it depends on no engine. The
+// clock is injectable (seconds, monotonic). Not thread-safe: one per engine thread.
+// Configuration and bad calls (unknown id, resume of an ended conversation, fork of a
+// running request, a conversation larger than the page budget) throw kvkit::Error naming
+// the value, before any page reference changes.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "kvkit/core/block_hash.hpp"
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/store/block_store.hpp"
+
+namespace kvkit {
+namespace conversation {
+
+/// What the cache needs from the engine's page allocator. Calls are synchronous; none may
+/// call back into the cache (in particular try_allocate must not run the engine's reclaim).
+template <class T>
+class PageHost {
+ public:
+  virtual ~PageHost() = default;
+  /// Tokens per page.
+  virtual std::int32_t page_size() const = 0;
+  /// A free page with one reference (the caller's), or -1 when none is free.
+  virtual std::int32_t try_allocate() = 0;
+  /// Adds a reference to an in-use page.
+  virtual void retain(std::int32_t page) = 0;
+  /// Drops one reference; returns the references left (0: the page is free again).
+  virtual std::int32_t release(std::int32_t page) = 0;
+  /// References a page has now.
+  virtual std::int32_t refcount(std::int32_t page) const = 0;
+  /// Copies page `src` to `dst` (all layers, K and V).
+  virtual void copy_page(std::int32_t src, std::int32_t dst) = 0;
+  /// One view per layer over the K/V pools (only storage, geometry and strides are used),
+  /// for spilling to and restoring from a BlockStore; null when the host has none.
+  virtual const PagedKVView<T>* pool_views() = 0;  // [num_layers] or null
+};
+
+enum class State : std::uint8_t {
+  kRunning,    // a request holds its pages (the cache holds none)
+  kSuspended,  // the cache holds its pages
+  kSpilled,    // evicted to the BlockStore; resume restores what loads back
+  kEvicted,    // evicted without a copy; resume recomputes the whole prompt
+};
+
+inline const char* to_string(State s) {
+  switch (s) {
+    case State::kRunning: return "running";
+    case State::kSuspended: return "suspended";
+    case State::kSpilled: return "spilled";
+    case State::kEvicted: return "evicted";
+  }
+  return "unknown";
+}
+
+/// Why a conversation was evicted (Metrics::evictions_by counts each).
+enum class EvictReason : std::uint8_t { kTimeout = 0, kMaxActive, kPageBudget, kPressure, kManual };
+inline constexpr int kNumEvictReasons = 5;
+
+struct Params {
+  double idle_timeout_s = 0.0;        // evict a suspended conversation idle this long; 0: never
+  std::int32_t max_active = 0;        // running + suspended conversations; 0: no limit
+  std::int32_t page_budget = 0;       // page references the cache may hold (a page shared by
+                                      // forks counts once per holder); 0: no own limit
+  bool spill = false;                 // spill evicted conversations to the BlockStore
+  bool fork_copies_partial_page = false;  // copy the shared partial page at fork time
+  bool trim_under_pressure = false;  // reclaim(n) drops the LRU conversation's pages from its
+                                     // tail, as many as needed (its prefix stays cached),
+                                     // instead of evicting it whole; ignored with spill
+};
+
+/// Cumulative counters (for reports and the chat demo's JSON).
+struct Metrics {
+  std::uint64_t resumes = 0;             // resume() calls
+  std::uint64_t hits = 0;                // resumes that reused >= 1 token
+  std::uint64_t prompt_tokens = 0;       // prompt tokens of all resumes
+  std::uint64_t tokens_reused = 0;       // prompt tokens whose K/V were still in memory
+  std::uint64_t tokens_restored = 0;     // prompt tokens whose K/V came back from the store
+  std::uint64_t tokens_released = 0;     // cached tokens dropped because a prompt diverged
+  std::uint64_t evictions = 0;           // conversations evicted (any reason)
+  std::uint64_t evictions_by[kNumEvictReasons] = {};
+  std::uint64_t pages_freed = 0;         // pages eviction returned to the free list
+  std::uint64_t pages_trimmed = 0;       // tail pages dropped by trim_under_pressure
+  std::uint64_t spills = 0;              // evictions that saved >= 1 block
+  std::uint64_t spilled_blocks = 0;
+  std::uint64_t spill_failures = 0;      // saves that stopped early (a shorter prefix kept)
+  std::uint64_t restores = 0;            // resumes that loaded >= 1 block
+  std::uint64_t restored_blocks = 0;
+  std::uint64_t restore_misses = 0;      // resumes of a spilled conversation that loaded less than asked
+  std::uint64_t forks = 0;
+  double hit_rate() const { return resumes == 0 ? 0.0 : static_cast<double>(hits) / resumes; }
+  /// Prompt tokens that needed no prefill thanks to the cache (memory + store).
+  std::uint64_t prefill_tokens_avoided() const { return tokens_reused + tokens_restored; }
+};
+
+/// What resume() hands to the next turn's request.
+struct Resume {
+  std::vector<std::int32_t> pages;   // ceil(cached_len / page_size) pages; one reference each
+                                     // now belongs to the caller (add_sequence takes them)
+  std::int32_t cached_len = 0;       // leading prompt tokens whose K/V those pages hold
+  std::int32_t restored_tokens = 0;  // of cached_len, how many came back from the store
+  std::int32_t turn = 0;             // turn number of this request (0 = first)
+};
+
+/// Seconds on a monotonic clock.
+using Clock = std::function<double()>;
+
+inline double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <class T = float>
+class ConversationCache {
+ public:
+  /// `store` (optional, not owned) is required when params.spill is set; its page size must
+  /// equal the host's. Throws kvkit::Error naming a bad value.
+  ConversationCache(PageHost<T>& host, Params params, Clock clock = {},
+                    store::BlockStore<T>* store = nullptr)
+      : host_(&host), p_(params), clock_(clock ? std::move(clock) : Clock(steady_seconds)),
+        store_(store), ps_(host.page_size()) {
+    KVKIT_CHECK(ps_ > 0, "kvkit: ConversationCache: host page_size must be > 0, got ", ps_);
+    KVKIT_CHECK(p_.idle_timeout_s >= 0.0, "kvkit: ConversationCache idle_timeout_s must be >= 0, got ",
+                p_.idle_timeout_s);
+    KVKIT_CHECK(p_.max_active >= 0, "kvkit: ConversationCache max_active must be >= 0, got ",
+                p_.max_active);
+    KVKIT_CHECK(p_.page_budget >= 0, "kvkit: ConversationCache page_budget must be >= 0, got ",
+                p_.page_budget);
+    KVKIT_CHECK(!p_.spill || store_ != nullptr, "kvkit: ConversationCache spill=true needs a BlockStore");
+    if (store_ != nullptr)
+      KVKIT_CHECK(store_->config().page_size == ps_, "kvkit: ConversationCache: store page_size ",
+                  store_->config().page_size, " differs from the host's ", ps_);
+  }
+  ConversationCache(const ConversationCache&) = delete;
+  ConversationCache& operator=(const ConversationCache&) = delete;
+  /// Releases every page the cache still holds.
+  ~ConversationCache() {
+    for (auto& kv : convs_) drop_pages(kv.second);
+  }
+
+  const Params& params() const { return p_; }
+  const Metrics& metrics() const { return m_; }
+  std::int32_t page_size() const { return ps_; }
+
+  /// Starts conversation `id` (its first turn is running; it holds no pages yet). An id
+  /// that was ended may be used again. Throws when `id` is live.
+  void create(const std::string& id) {
+    KVKIT_CHECK(convs_.count(id) == 0, "kvkit: conversation '", id, "' already exists (state ",
+                to_string(convs_.at(id).state), ")");
+    evict_idle();
+    ended_.erase(id);
+    Conv c;
+    c.state = State::kRunning;
+    c.last = clock_();
+    convs_.emplace(id, std::move(c));
+    ++running_;
+    enforce_limits(nullptr);
+  }
+
+  /// Hands the cached pages of `id` to its next turn, whose full prompt (history + new
+  /// tokens) is `prompt[0, n)`: see the file comment. Throws for an unknown or ended id, a
+  /// running conversation or an empty prompt, changing nothing.
+  Resume resume(const std::string& id, const std::int32_t* prompt,  // [n]
+                std::size_t n) {
+    Conv& c = check_resume(id, n);
+    KVKIT_CHECK(prompt != nullptr, "kvkit: resume of conversation '", id, "': null prompt");
+    const std::size_t limit = std::min(c.tokens.size(), n - 1);  // feed at least one token
+    const std::size_t common = static_cast<std::size_t>(
+        std::mismatch(c.tokens.begin(), c.tokens.begin() + static_cast<std::ptrdiff_t>(limit), prompt).first -
+        c.tokens.begin());
+    return finish_resume(c, common, n);
+  }
+
+  /// resume() for a caller that guarantees its prompt of `n` tokens extends the cached
+  /// tokens (it appended the new turn to the previous request's tokens, as `kvkit chat`
+  /// does): no token comparison, so the cost does not grow with the history.
+  Resume resume_extending(const std::string& id, std::size_t n) {
+    Conv& c = check_resume(id, n);
+    return finish_resume(c, std::min(c.tokens.size(), n - 1), n);
+  }
+  Resume resume(const std::string& id, const std::vector<std::int32_t>& prompt) {
+    return resume(id, prompt.data(), prompt.size());
+  }
+
+  /// The running turn of `id` finished with K/V for exactly `tokens[0, n)` in `pages`
+  /// (ceil(n / page_size) pages, in order). The cache retains each page (the caller then
+  /// frees its request), then enforces its limits (evicting other conversations). Throws,
+  /// retaining nothing, for an unknown / ended / not running id, a page count that does not
+  /// match, or more pages than page_budget.
+  void suspend(const std::string& id, const std::int32_t* tokens,  // [n]
+               std::size_t n, const std::int32_t* pages,              // [npages]
+               std::size_t npages) {
+    Conv& c = live(id, "suspend");
+    KVKIT_CHECK(c.state == State::kRunning, "kvkit: suspend of conversation '", id, "' which is ",
+                to_string(c.state), ", not running");
+    const std::size_t need = (n + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+    KVKIT_CHECK(npages == need, "kvkit: suspend of conversation '", id, "': ", npages, " pages for ",
+                n, " tokens of page size ", ps_, ", expected ", need);
+    KVKIT_CHECK(n == 0 || tokens != nullptr, "kvkit: suspend of conversation '", id, "': null tokens");
+    KVKIT_CHECK(p_.page_budget == 0 || npages <= static_cast<std::size_t>(p_.page_budget),
+                "kvkit: conversation '", id, "' needs ", npages, " pages, more than the page budget ",
+                p_.page_budget);
+    for (std::size_t i = 0; i < npages; ++i)
+      KVKIT_CHECK(pages[i] >= 0 && host_->refcount(pages[i]) > 0, "kvkit: suspend of conversation '",
+                  id, "': page ", pages[i], " is not allocated");
+    for (std::size_t i = 0; i < npages; ++i) host_->retain(pages[i]);
+    held_refs_ += static_cast<std::int64_t>(npages);
+    c.pages.assign(pages, pages + npages);
+    c.tokens.assign(tokens, tokens + n);
+    c.state = State::kSuspended;
+    c.last = clock_();
+    --running_;
+    lru_push(id, c);
+    evict_idle();
+    enforce_limits(&c);
+  }
+  void suspend(const std::string& id, const std::vector<std::int32_t>& tokens,
+               const std::vector<std::int32_t>& pages) {
+    suspend(id, tokens.data(), tokens.size(), pages.data(), pages.size());
+  }
+
+  /// The running turn of `id` failed before it could be suspended: the conversation keeps
+  /// its turn count but no cache (the next resume recomputes). The request's pages are the
+  /// caller's to free.
+  void abort_turn(const std::string& id) {
+    Conv& c = live(id, "abort_turn");
+    KVKIT_CHECK(c.state == State::kRunning, "kvkit: abort_turn of conversation '", id, "' which is ",
+                to_string(c.state), ", not running");
+    c.state = State::kEvicted;
+    --running_;
+  }
+
+  /// Frees everything of `id` (a running conversation's request keeps its own pages).
+  void end(const std::string& id) {
+    Conv& c = live(id, "end");
+    if (c.state == State::kRunning) --running_;
+    lru_remove(c);
+    drop_pages(c);
+    convs_.erase(id);
+    ended_.insert(id);
+  }
+
+  /// A new conversation `dst` continuing suspended `src`: the same tokens and turn, its
+  /// pages shared by refcount (see Params::fork_copies_partial_page). Throws, changing
+  /// nothing, when `src` is unknown, ended, running (its request owns the pages: fork after
+  /// suspending it) or not in memory, or `dst` exists, or the copy finds no free page.
+  void fork(const std::string& src, const std::string& dst) {
+    Conv& s = live(src, "fork");
+    KVKIT_CHECK(s.state != State::kRunning, "kvkit: fork of conversation '", src,
+                "' while its request is running (suspend it first)");
+    KVKIT_CHECK(s.state == State::kSuspended, "kvkit: fork of conversation '", src, "' which is ",
+                to_string(s.state), " (resume it first)");
+    KVKIT_CHECK(convs_.count(dst) == 0, "kvkit: fork target '", dst, "' already exists");
+    const bool copy = p_.fork_copies_partial_page && s.tokens.size() % static_cast<std::size_t>(ps_) != 0;
+    std::int32_t fresh = -1;
+    if (copy) {
+      fresh = host_->try_allocate();
+      KVKIT_CHECK(fresh >= 0, "kvkit: fork of conversation '", src, "': out of KV pages for the partial page copy");
+      host_->copy_page(s.pages.back(), fresh);
+    }
+    Conv d;
+    d.state = State::kSuspended;
+    d.tokens = s.tokens;
+    d.pages = s.pages;
+    d.turn = s.turn;
+    d.last = clock_();
+    for (std::size_t i = 0; i < d.pages.size(); ++i) {
+      if (copy && i + 1 == d.pages.size()) {
+        d.pages[i] = fresh;
+      } else {
+        host_->retain(d.pages[i]);
+      }
+    }
+    held_refs_ += static_cast<std::int64_t>(d.pages.size());
+    s.last = d.last;
+    lru_remove(s);
+    lru_push(src, s);
+    auto it = convs_.emplace(dst, std::move(d)).first;
+    lru_push(dst, it->second);
+    ended_.erase(dst);
+    ++m_.forks;
+    enforce_limits(&it->second);
+  }
+
+  /// Allocator pressure: evicts suspended conversations, least recently active first,
+  /// until `n_pages` pages were freed or none is left (Params::trim_under_pressure: drops
+  /// their pages tail first instead, keeping prefixes). Returns the pages freed.
+  std::int32_t reclaim(std::int32_t n_pages) {
+    std::int32_t freed = 0;
+    while (freed < n_pages && !lru_.empty()) {
+      if (!p_.trim_under_pressure || p_.spill) {
+        freed += evict_conv(lru_.front(), EvictReason::kPressure);
+        continue;
+      }
+      // Tail first: the remaining prefix ends on a full page, still valid to resume from.
+      Conv& c = convs_.at(lru_.front());
+      while (freed < n_pages && !c.pages.empty()) {
+        const std::int32_t f = release_page(c.pages.back());
+        c.pages.pop_back();
+        c.tokens.resize(std::min(c.tokens.size(), c.pages.size() * static_cast<std::size_t>(ps_)));
+        freed += f;
+        ++m_.pages_trimmed;
+        m_.pages_freed += static_cast<std::uint64_t>(f);
+      }
+      if (c.pages.empty()) evict_conv(lru_.front(), EvictReason::kPressure);
+    }
+    return freed;
+  }
+
+  /// Evicts every suspended conversation idle for at least idle_timeout_s (none when the
+  /// timeout is 0). Returns the number evicted.
+  std::int32_t evict_idle() {
+    if (p_.idle_timeout_s <= 0.0) return 0;
+    const double now = clock_();
+    std::int32_t n = 0;
+    while (!lru_.empty() && now - convs_.at(lru_.front()).last >= p_.idle_timeout_s) {
+      evict_conv(lru_.front(), EvictReason::kTimeout);
+      ++n;
+    }
+    return n;
+  }
+
+  /// Evicts suspended conversation `id` now (spilling it when enabled). Returns pages freed.
+  std::int32_t evict(const std::string& id) {
+    Conv& c = live(id, "evict");
+    KVKIT_CHECK(c.state == State::kSuspended, "kvkit: evict of conversation '", id, "' which is ",
+                to_string(c.state), ", not suspended");
+    return evict_conv(id, EvictReason::kManual);
+  }
+
+  // ---- inspection ----
+  bool contains(const std::string& id) const { return convs_.count(id) != 0; }
+  bool ended(const std::string& id) const { return ended_.count(id) != 0; }
+  State state(const std::string& id) const { return clive(id).state; }
+  std::int32_t turn(const std::string& id) const { return clive(id).turn; }
+  double last_activity(const std::string& id) const { return clive(id).last; }
+  /// Token ids whose K/V the cache holds (suspended) or saved (spilled).
+  const std::vector<std::int32_t>& tokens(const std::string& id) const { return clive(id).tokens; }
+  /// Pages the cache holds for `id` (empty unless suspended).
+  const std::vector<std::int32_t>& pages(const std::string& id) const { return clive(id).pages; }
+  /// Running + suspended conversations.
+  std::int32_t active() const { return running_ + static_cast<std::int32_t>(lru_.size()); }
+  std::int32_t suspended() const { return static_cast<std::int32_t>(lru_.size()); }
+  std::int32_t size() const { return static_cast<std::int32_t>(convs_.size()); }
+  /// Page references the cache holds (what page_budget limits).
+  std::int64_t held_references() const { return held_refs_; }
+  /// References the cache holds on each page (for allocator invariant checks; O(held)).
+  std::unordered_map<std::int32_t, std::int32_t> references() const {
+    std::unordered_map<std::int32_t, std::int32_t> r;
+    for (const auto& kv : convs_)
+      for (std::int32_t pg : kv.second.pages) ++r[pg];
+    return r;
+  }
+  /// Distinct pages the cache holds a reference to (O(held)).
+  std::int32_t held_pages() const { return static_cast<std::int32_t>(references().size()); }
+  /// Suspended conversations, least recently active first (the eviction order).
+  std::vector<std::string> lru_order() const { return std::vector<std::string>(lru_.begin(), lru_.end()); }
+
+ private:
+  struct Conv {
+    State state = State::kRunning;
+    std::vector<std::int32_t> pages;   // cache references (suspended only)
+    std::vector<std::int32_t> tokens;  // computed tokens (suspended) / saved tokens (spilled)
+    std::vector<BlockHash> hashes;     // spilled: one per saved block
+    std::int32_t turn = 0;
+    double last = 0.0;
+    bool in_lru = false;
+    std::list<std::string>::iterator lru_it;
+  };
+
+  Conv& check_resume(const std::string& id, std::size_t n) {
+    Conv& c = live(id, "resume");
+    KVKIT_CHECK(c.state != State::kRunning, "kvkit: resume of conversation '", id,
+                "': its turn ", c.turn, " is still running (suspend it first)");
+    KVKIT_CHECK(n > 0, "kvkit: resume of conversation '", id, "' with an empty prompt");
+    return c;
+  }
+
+  // The cached tokens [0, common) match the prompt of n tokens: restore (spilled), keep
+  // their pages, release the rest, hand the kept references to the request.
+  Resume finish_resume(Conv& c, std::size_t common, std::size_t n) {
+    // Idle conversations go first, this one excepted (it is about to be used).
+    lru_remove(c);
+    evict_idle();
+    Resume r;
+    if (c.state == State::kSpilled) common = restore(c, common, &r);
+    if (c.state == State::kEvicted) common = 0;
+    // Keep ceil(common / ps) pages; release the rest (divergence or the n - 1 cap).
+    const std::size_t keep = (common + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+    m_.tokens_released += c.tokens.size() - std::min(c.tokens.size(), common);
+    while (c.pages.size() > keep) {
+      release_page(c.pages.back());
+      c.pages.pop_back();
+    }
+    held_refs_ -= static_cast<std::int64_t>(c.pages.size());  // references move to the request
+    r.pages = std::move(c.pages);
+    c.pages.clear();
+    c.tokens.clear();
+    c.hashes.clear();
+    r.cached_len = static_cast<std::int32_t>(common);
+    r.turn = ++c.turn;
+    c.state = State::kRunning;
+    c.last = clock_();
+    ++running_;
+    ++m_.resumes;
+    m_.prompt_tokens += n;
+    if (common > 0) ++m_.hits;
+    m_.tokens_restored += static_cast<std::uint64_t>(r.restored_tokens);
+    m_.tokens_reused += common - static_cast<std::size_t>(r.restored_tokens);
+    enforce_limits(nullptr);
+    return r;
+  }
+
+  Conv& live(const std::string& id, const char* op) {
+    return const_cast<Conv&>(static_cast<const ConversationCache*>(this)->clive(id, op));
+  }
+  const Conv& clive(const std::string& id, const char* op = "lookup") const {
+    auto it = convs_.find(id);
+    if (it == convs_.end()) {
+      KVKIT_CHECK(ended_.count(id) == 0, "kvkit: ", op, " of conversation '", id, "' which was ended");
+      fail("kvkit: ", op, " of unknown conversation id '", id, "'");
+    }
+    return it->second;
+  }
+
+  void lru_push(const std::string& id, Conv& c) {
+    lru_.push_back(id);
+    c.lru_it = std::prev(lru_.end());
+    c.in_lru = true;
+  }
+  void lru_remove(Conv& c) {
+    if (!c.in_lru) return;
+    lru_.erase(c.lru_it);
+    c.in_lru = false;
+  }
+
+  // Drops the cache's reference; returns 1 when that freed the page.
+  std::int32_t release_page(std::int32_t page) {
+    --held_refs_;
+    return host_->release(page) == 0 ? 1 : 0;
+  }
+  std::int32_t drop_pages(Conv& c) {
+    std::int32_t freed = 0;
+    for (std::int32_t pg : c.pages) freed += release_page(pg);
+    c.pages.clear();
+    return freed;
+  }
+
+  void enforce_limits(const Conv* keep) {
+    while (p_.max_active > 0 && active() > p_.max_active && !lru_.empty() &&
+           &convs_.at(lru_.front()) != keep)
+      evict_conv(lru_.front(), EvictReason::kMaxActive);
+    while (p_.page_budget > 0 && held_refs_ > p_.page_budget && !lru_.empty() &&
+           &convs_.at(lru_.front()) != keep)
+      evict_conv(lru_.front(), EvictReason::kPageBudget);
+  }
+
+  // Evicts a suspended conversation (copied id: the LRU node goes away). Returns pages freed.
+  std::int32_t evict_conv(std::string id, EvictReason why) {
+    Conv& c = convs_.at(id);
+    lru_remove(c);
+    c.state = State::kEvicted;
+    if (p_.spill) spill(c);
+    if (c.state == State::kEvicted) c.tokens.clear();
+    const std::int32_t freed = drop_pages(c);
+    ++m_.evictions;
+    ++m_.evictions_by[static_cast<int>(why)];
+    m_.pages_freed += static_cast<std::uint64_t>(freed);
+    return freed;
+  }
+
+  // Names page i of `tokens` by the chained hash of the tokens it holds (a partial last
+  // page: the tokens present, so its name changes once it fills).
+  std::vector<BlockHash> page_hashes(const std::vector<std::int32_t>& tokens) const {
+    std::vector<BlockHash> h;
+    BlockHash prev = BlockHash::root();
+    for (std::size_t start = 0; start < tokens.size(); start += static_cast<std::size_t>(ps_)) {
+      const std::size_t len = std::min<std::size_t>(static_cast<std::size_t>(ps_), tokens.size() - start);
+      prev = block_hash(prev, tokens.data() + start, len);
+      h.push_back(prev);
+    }
+    return h;
+  }
+
+  void spill(Conv& c) {
+    const PagedKVView<T>* views = host_->pool_views();
+    if (views == nullptr || c.pages.empty()) return;
+    std::vector<BlockHash> h = page_hashes(c.tokens);
+    std::size_t saved = 0;
+    const Status st = store_->save(h.data(), c.pages.data(), h.size(), views, &saved);
+    if (!st.is_ok()) ++m_.spill_failures;
+    if (saved == 0) return;
+    h.resize(saved);
+    c.tokens.resize(std::min(c.tokens.size(), saved * static_cast<std::size_t>(ps_)));
+    c.hashes = std::move(h);
+    c.state = State::kSpilled;
+    ++m_.spills;
+    m_.spilled_blocks += saved;
+  }
+
+  // Loads the blocks covering the first `common` tokens into fresh pages (evicting other
+  // suspended conversations when none is free); returns the tokens now cached.
+  std::size_t restore(Conv& c, std::size_t common, Resume* r) {
+    const std::size_t want = (common + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+    const PagedKVView<T>* views = host_->pool_views();
+    c.state = State::kEvicted;  // whatever fails below leaves a plain miss
+    if (want == 0 || views == nullptr) return 0;
+    std::vector<std::int32_t> pages;
+    while (pages.size() < want) {
+      std::int32_t pg = host_->try_allocate();
+      while (pg < 0 && !lru_.empty()) {
+        evict_conv(lru_.front(), EvictReason::kPressure);
+        pg = host_->try_allocate();
+      }
+      if (pg < 0) break;
+      pages.push_back(pg);
+    }
+    const store::LoadResult lr = store_->load(c.hashes.data(), pages.data(), pages.size(), views);
+    const std::size_t loaded = lr.blocks_loaded;
+    while (pages.size() > loaded) {  // fresh pages, ours alone: these release to free
+      host_->release(pages.back());
+      pages.pop_back();
+    }
+    if (loaded < want) ++m_.restore_misses;
+    if (loaded == 0) return 0;
+    ++m_.restores;
+    m_.restored_blocks += loaded;
+    held_refs_ += static_cast<std::int64_t>(pages.size());  // resume() moves them on to the request
+    c.pages = std::move(pages);
+    c.state = State::kSuspended;
+    const std::size_t got = std::min(common, loaded * static_cast<std::size_t>(ps_));
+    r->restored_tokens = static_cast<std::int32_t>(got);
+    return got;
+  }
+
+  PageHost<T>* host_;
+  Params p_;
+  Clock clock_;
+  store::BlockStore<T>* store_;
+  std::int32_t ps_;
+  std::unordered_map<std::string, Conv> convs_;
+  std::unordered_set<std::string> ended_;
+  std::list<std::string> lru_;  // suspended ids, least recently active first
+  std::int64_t held_refs_ = 0;  // page references held (suspended conversations' pages)
+  std::int32_t running_ = 0;
+  Metrics m_;
+};
+
+}  // namespace conversation
+}  // namespace kvkit
