@@ -416,7 +416,7 @@ int main(int argc, char** argv) {
   line("box (Quest, fp32 min/max)", sb.box, s64.box, s8.box);
   line("scalars (sum |k|^2, max |k|)", sb.scalars, s64.scalars, s8.scalars);
   line("JL Gram (4 m^2)", sb.jl, s64.jl, s8.jl);
-  line("FD (4 l d + 4)", sb.fd, s64.fd, s8.fd);
+  line("FD (centre + rows: 4 l d + 4 d + 12)", sb.fd, s64.fd, s8.fd);
   line("1-PC (int8 u1 + 3 floats)", sb.one_pc, s64.one_pc, s8.one_pc);
   line("all five", sb.total(), s64.total(), s8.total());
 
