@@ -43,6 +43,7 @@
 #include "engine/npy.hpp"
 #include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
+#include "cli/cmd_store_demo.hpp"  // kvkit store-demo
 
 namespace {
 
@@ -111,6 +112,7 @@ struct Options {
   bool system_given = false;
   bool max_tokens_given = false;
   bool steps_given = false;
+  kvkit::cli::StoreDemoOptions store_demo;  // kvkit store-demo
 };
 
 // Validator: an integer in [lo, hi], message naming the value (CLI11 prefixes the option).
@@ -218,6 +220,8 @@ bool parse_args(int argc, char** argv, Options& o) {
       ->type_name("DIR")
       ->required()
       ->check([](const std::string& s) { return s.empty() ? std::string("needs a non-empty path") : ""; });
+  CLI::App* store_demo = app.add_subcommand("store-demo", "BlockStore demo: a shared-prefix workload saved to a store, then loaded by a fresh engine");
+  kvkit::cli::add_store_demo_options(*store_demo, o.store_demo);
 
   // Handled before CLI11 so `kvkit foo --help` prints help and a stray word names itself.
   const std::vector<std::string> args(argv + 1, argv + argc);
@@ -225,12 +229,13 @@ bool parse_args(int argc, char** argv, Options& o) {
   for (const std::string& a : args) help = help || a == "--help" || a == "-h";
   if (args.empty()) throw UsageError("missing command (try kvkit --help)");
   if (args[0].empty() ||
-      (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace" && args[0] != "chat")) {
+      (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace" && args[0] != "chat" &&
+       args[0] != "store-demo")) {
     if (help) {
       std::cout << app.help();
       return false;
     }
-    throw UsageError("unknown command '" + args[0] + "' (expected generate, chat or trace)");
+    throw UsageError("unknown command '" + args[0] + "' (expected generate, chat, trace or store-demo)");
   }
   try {
     app.parse(argc, argv);
@@ -245,6 +250,10 @@ bool parse_args(int argc, char** argv, Options& o) {
     return false;
   } catch (const CLI::ParseError& e) {
     throw UsageError(e.what());
+  }
+  if (store_demo->parsed()) {
+    o.command = "store-demo";
+    return true;
   }
   o.command = gen->parsed() ? "generate" : chat->parsed() ? "chat" : "trace";
   CLI::App* cmd = gen->parsed() ? gen : chat->parsed() ? chat : trace;
@@ -932,6 +941,8 @@ int main(int argc, char** argv) {
     Options o;
     if (!parse_args(argc, argv, o)) return 0;
     if (o.command == "chat") return cmd_chat(o);
+    if (o.command == "store-demo")
+      return kvkit::cli::run_store_demo(o.store_demo, [&](int code, const std::string& m) { return fail(json, code, m); });
     return o.command == "generate" ? cmd_generate(o) : cmd_trace(o);
   } catch (const UsageError& e) {
     return fail(json, 2, e.what());

@@ -14,3 +14,13 @@ if(TARGET kvkit::redis AND EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/test_redis_store.c
     target_link_libraries(test_redis_store PRIVATE kvkit::zstd)
   endif()
 endif()
+# The store-demo workload and the engine's StoreConnector (examples/cli/store_demo.hpp,
+# examples/engine/store_connector.hpp); its Redis case when kvkit::redis exists.
+if(TARGET kvkit_example_engine)
+  kvkit_add_test(test_store_demo test_store_demo.cpp)
+  target_link_libraries(test_store_demo PRIVATE kvkit_example_engine)
+  if(TARGET kvkit::redis)
+    target_link_libraries(test_store_demo PRIVATE kvkit::redis)
+    target_compile_definitions(test_store_demo PRIVATE KVKIT_TEST_REDIS=1)
+  endif()
+endif()

@@ -32,155 +32,17 @@
 #include "kvkit/store/redis_cluster.hpp"
 #include "kvkit/store/redis_cluster_store.hpp"
 #include "kvkit/store/redis_store.hpp"
+#include "redis_server.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
 using namespace kvkit::store;
 using Clock = std::chrono::steady_clock;
+using kvkit_test::find_redis_server;
+using kvkit_test::free_port;
+using kvkit_test::RedisServer;
 
 namespace {
-
-std::string find_redis_server() {
-  const char* path = std::getenv("PATH");
-  std::string p = path != nullptr ? path : "/usr/bin:/usr/local/bin";
-  std::size_t start = 0;
-  while (start <= p.size()) {
-    const std::size_t end = std::min(p.find(':', start), p.size());
-    const std::string cand = p.substr(start, end - start) + "/redis-server";
-    if (::access(cand.c_str(), X_OK) == 0) return cand;
-    start = end + 1;
-  }
-  return {};
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-    port = ntohs(a.sin_port);
-  ::close(fd);
-  return port;
-}
-
-bool port_free(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  ::close(fd);
-  return ok;
-}
-
-// A private redis-server on a free loopback port (no persistence), stopped on destruction.
-class RedisServer {
- public:
-  explicit RedisServer(std::string password = {}, bool cluster_enabled = false)
-      : password_(std::move(password)), cluster_(cluster_enabled) {
-    binary_ = find_redis_server();
-    if (binary_.empty()) return;
-    for (int attempt = 0; attempt < 8 && pid_ <= 0; ++attempt) {
-      port_ = free_port();
-      // A cluster node also listens on port + 10000 (the cluster bus).
-      if (cluster_ && (port_ > 55535 || !port_free(port_ + 10000))) continue;
-      if (!spawn()) stop();
-    }
-  }
-  ~RedisServer() { stop(); }
-  RedisServer(const RedisServer&) = delete;
-  RedisServer& operator=(const RedisServer&) = delete;
-
-  bool running() const { return pid_ > 0; }
-  int port() const { return port_; }
-  pid_t pid() const { return pid_; }
-  void signal(int sig) const {
-    if (pid_ > 0) ::kill(pid_, sig);
-  }
-  /// Kills the server and starts a fresh one on the same port (data is gone).
-  bool restart() {
-    stop();
-    return spawn();
-  }
-  RedisOptions options() const {
-    RedisOptions o;
-    o.host = "127.0.0.1";
-    o.port = port_;
-    o.password = password_;
-    return o;
-  }
-
- private:
-  bool spawn() {
-    const std::string port = std::to_string(port_);
-    std::vector<std::string> args = {binary_, "--port", port, "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--dir", "/tmp", "--daemonize", "no"};
-    if (!password_.empty()) {
-      args.push_back("--requirepass");
-      args.push_back(password_);
-    }
-    if (cluster_) {  // a lone cluster node (no slots): enough for CLUSTER KEYSLOT
-      args.push_back("--cluster-enabled");
-      args.push_back("yes");
-      args.push_back("--cluster-config-file");
-      args.push_back("kvkit-test-nodes-" + std::to_string(::getpid()) + "-" + port + ".conf");
-    }
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      const int devnull = ::open("/dev/null", O_WRONLY);
-      if (devnull >= 0) {
-        ::dup2(devnull, 1);
-        ::dup2(devnull, 2);
-      }
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(&a[0]);
-      argv.push_back(nullptr);
-      ::execv(binary_.c_str(), argv.data());
-      ::_exit(127);
-    }
-    if (pid < 0) return false;
-    pid_ = pid;
-    // Ready when it answers PING (AUTH first when a password is set).
-    for (int i = 0; i < 100; ++i) {
-      int wstatus = 0;
-      if (::waitpid(pid_, &wstatus, WNOHANG) == pid_) {  // exited: port taken?
-        pid_ = -1;
-        return false;
-      }
-      RedisOptions o = options();
-      o.connect_timeout = std::chrono::milliseconds(200);
-      o.batch_deadline = std::chrono::milliseconds(300);
-      RedisBackend probe(o);
-      if (probe.connect().is_ok()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return false;
-  }
-  void stop() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGCONT);
-    ::kill(pid_, SIGKILL);
-    int wstatus = 0;
-    ::waitpid(pid_, &wstatus, 0);
-    pid_ = -1;
-    if (cluster_)
-      std::remove(("/tmp/kvkit-test-nodes-" + std::to_string(::getpid()) + "-" +
-                   std::to_string(port_) + ".conf")
-                      .c_str());
-  }
-
-  std::string binary_;
-  std::string password_;
-  bool cluster_ = false;
-  int port_ = 0;
-  pid_t pid_ = -1;
-};
 
 // The shared server from $KVKIT_REDIS_URL, else a private one (kept for the process).
 bool shared_options(RedisOptions* out) {
