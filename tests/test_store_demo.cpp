@@ -227,6 +227,7 @@ TEST_CASE("store demo: SmolLM2, shared document + 2 questions, memory store", "[
   store::MemoryBackend mem(256u << 20);
   DemoRunConfig cfg;
   cfg.max_tokens = 4;
+  cfg.engine.threads = 2;  // same in both runs, so the GEMM column split is the same too
   cfg.backend = &mem;
   cfg.store.ns = store::make_namespace("smollm2");
   cfg.store.lookup = false;
