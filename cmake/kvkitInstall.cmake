@@ -2,12 +2,13 @@
 #
 #   <prefix>/include/kvkit/...                 headers (kvkit is header-only)
 #   <prefix>/share/cmake/kvkit/                kvkitConfig.cmake, kvkitConfigVersion.cmake,
-#                                              kvkitTargets.cmake, kvkitHiredis.cmake
+#                                              kvkitTargets.cmake, kvkitHiredis.cmake,
+#                                              kvkitZstd.cmake
 #   <prefix>/share/doc/kvkit/                  LICENSE, NOTICE
 #
 # Nothing here depends on the machine that installs: the package is architecture
 # independent and its dependencies (Threads, optional Eigen, CUDAToolkit for the cuda
-# component, hiredis for the redis component) are found again by kvkitConfig.cmake on the
+# component, hiredis for the redis component, libzstd for the zstd component) are found again by kvkitConfig.cmake on the
 # consumer's machine. Every rule is in the COMPONENT kvkit_development.
 include(CMakePackageConfigHelpers)
 
@@ -29,8 +30,12 @@ set_target_properties(kvkit_install_cuda PROPERTIES EXPORT_NAME cuda)
 add_library(kvkit_install_redis INTERFACE)
 target_link_libraries(kvkit_install_redis INTERFACE kvkit $<INSTALL_INTERFACE:kvkit::hiredis>)
 set_target_properties(kvkit_install_redis PROPERTIES EXPORT_NAME redis)
+add_library(kvkit_install_zstd INTERFACE)
+target_link_libraries(kvkit_install_zstd INTERFACE kvkit $<INSTALL_INTERFACE:kvkit::libzstd>)
+target_compile_definitions(kvkit_install_zstd INTERFACE $<INSTALL_INTERFACE:KVKIT_HAS_ZSTD=1>)
+set_target_properties(kvkit_install_zstd PROPERTIES EXPORT_NAME zstd)
 
-install(TARGETS kvkit kvkit_install_cuda kvkit_install_redis
+install(TARGETS kvkit kvkit_install_cuda kvkit_install_redis kvkit_install_zstd
         EXPORT kvkitTargets
         COMPONENT kvkit_development)
 install(EXPORT kvkitTargets
@@ -51,6 +56,7 @@ install(FILES
           "${PROJECT_BINARY_DIR}/kvkitConfig.cmake"
           "${PROJECT_BINARY_DIR}/kvkitConfigVersion.cmake"
           "${PROJECT_SOURCE_DIR}/cmake/kvkitHiredis.cmake"
+          "${PROJECT_SOURCE_DIR}/cmake/kvkitZstd.cmake"
         DESTINATION "${KVKIT_INSTALL_CMAKEDIR}"
         COMPONENT kvkit_development)
 install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" "${PROJECT_SOURCE_DIR}/NOTICE"

@@ -2,6 +2,7 @@
 #   kvkit::kvkit  core + policies + CPU kernels (C++17; Eigen3 when found)
 #   kvkit::cuda   adds CUDA::cudart for <kvkit/cuda.cuh>
 #   kvkit::redis  adds hiredis for the Redis block store
+#   kvkit::zstd   adds libzstd and KVKIT_HAS_ZSTD=1: zstd-compressed block payloads
 include(GNUInstallDirs)
 
 add_library(kvkit INTERFACE)
@@ -42,4 +43,16 @@ if(KVKIT_HIREDIS_FOUND)
   add_library(kvkit::redis ALIAS kvkit_redis)
   target_link_libraries(kvkit_redis INTERFACE kvkit kvkit::hiredis)
   set_target_properties(kvkit_redis PROPERTIES EXPORT_NAME redis)
+endif()
+
+# zstd component: libzstd found by kvkit_find_zstd() (its CMake package, else by hand) and
+# wrapped as the imported kvkit::libzstd; kvkit::zstd adds KVKIT_HAS_ZSTD=1.
+include(${CMAKE_CURRENT_LIST_DIR}/kvkitZstd.cmake)
+kvkit_find_zstd()
+if(KVKIT_ZSTD_FOUND)
+  add_library(kvkit_zstd INTERFACE)
+  add_library(kvkit::zstd ALIAS kvkit_zstd)
+  target_link_libraries(kvkit_zstd INTERFACE kvkit kvkit::libzstd)
+  target_compile_definitions(kvkit_zstd INTERFACE KVKIT_HAS_ZSTD=1)
+  set_target_properties(kvkit_zstd PROPERTIES EXPORT_NAME zstd)
 endif()

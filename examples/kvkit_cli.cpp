@@ -52,6 +52,7 @@
 #include "engine/npy.hpp"
 #include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
+#include "cli/cmd_store_demo.hpp"  // kvkit store-demo
 
 namespace {
 
@@ -83,7 +84,9 @@ const char* kFooter =
     "  prompt tokens included (they are teacher-forced, then decoding is greedy).\n"
     "Exit codes: 0 ok, 1 library or I/O error (bad checkpoint, unreadable file), 2 usage error\n"
     "  (unknown option, bad value, a KV pool larger than this machine's memory). With --json\n"
-    "  errors also print {\"error\": \"...\", \"code\": N} on stdout.";
+    "  errors also print {\"error\": \"...\", \"code\": N} on stdout.\n"
+    "Also: kvkit r1kv --help (one R1KV compression of .npy K/Q/V), kvkit chat-demo --help\n"
+    "  (multi-turn conversation caching under a page budget).";
 
 /// A command-line mistake: "kvkit: error: ..." on stderr, exit code 2.
 struct UsageError : std::runtime_error {
@@ -127,6 +130,7 @@ struct Options {
   std::string policy;
   bool compare_full = false;
   std::shared_ptr<std::vector<kvkit::cli::PolicyEntry>> policies;  // owns the policies' option storage
+  kvkit::cli::StoreDemoOptions store_demo;  // kvkit store-demo
 };
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
@@ -255,19 +259,25 @@ bool parse_args(int argc, char** argv, Options& o) {
       ->type_name("DIR")
       ->required()
       ->check([](const std::string& s) { return s.empty() ? std::string("needs a non-empty path") : ""; });
+  CLI::App* store_demo = app.add_subcommand("store-demo", "BlockStore demo: a shared-prefix workload saved to a store, then loaded by a fresh engine");
+  kvkit::cli::add_store_demo_options(*store_demo, o.store_demo);
 
   // Handled before CLI11 so `kvkit foo --help` prints help and a stray word names itself.
   const std::vector<std::string> args(argv + 1, argv + argc);
   bool help = false;
   for (const std::string& a : args) help = help || a == "--help" || a == "-h";
   if (args.empty()) throw UsageError("missing command (try kvkit --help)");
+  // r1kv and chat-demo are dispatched by main() before this parser.
+  static const std::vector<std::string> kCommands = {"generate", "chat", "trace", "probe",
+                                                     "store-demo", "chat-demo", "r1kv"};
   if (args[0].empty() ||
-      (args[0][0] != '-' && args[0] != "generate" && args[0] != "trace" && args[0] != "chat" && args[0] != "probe")) {
+      (args[0][0] != '-' &&
+       std::find(kCommands.begin(), kCommands.end(), args[0]) == kCommands.end())) {
     if (help) {
       std::cout << app.help();
       return false;
     }
-    throw UsageError("unknown command '" + args[0] + "' (expected generate, chat, trace or probe)");
+    throw UsageError("unknown command '" + args[0] + "' (expected " + join(kCommands, ", ") + ")");
   }
   try {
     app.parse(argc, argv);
@@ -284,6 +294,7 @@ bool parse_args(int argc, char** argv, Options& o) {
     throw UsageError(e.what());
   }
   if (probe->parsed()) return o.command = "probe", true;
+  if (store_demo->parsed()) return o.command = "store-demo", true;
   o.command = gen->parsed() ? "generate" : chat->parsed() ? "chat" : "trace";
   CLI::App* cmd = gen->parsed() ? gen : chat->parsed() ? chat : trace;
   o.page_size_given = cmd->count("--page-size") > 0;
@@ -1093,6 +1104,8 @@ int main(int argc, char** argv) {
     if (!parse_args(argc, argv, o)) return 0;
     if (o.command == "probe") return kvkit::cli::run_probe(o.probe);
     if (o.command == "chat") return cmd_chat(o);
+    if (o.command == "store-demo")
+      return kvkit::cli::run_store_demo(o.store_demo, [&](int code, const std::string& m) { return fail(json, code, m); });
     return o.command == "generate" ? cmd_generate(o) : cmd_trace(o);
   } catch (const UsageError& e) {
     return fail(json, 2, e.what());

@@ -1,14 +1,12 @@
 #pragma once
-// A private redis-server on a free loopback port for tests (moved out of
-// test_redis_store.cpp so other tests can start one too): find_redis_server, free_port,
-// port_free and RedisServer (no persistence, stopped on destruction).
-
+// A private redis-server for tests and benchmarks: started on a free loopback port (no
+// persistence), optionally with a password or as a lone cluster-enabled node, stopped on
+// destruction. Also find_redis_server() / free_port(). No Catch2 here (bench/ uses it too).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,8 +21,10 @@
 
 #include "kvkit/store/redis_store.hpp"
 
-namespace kvkit {
-namespace test {
+namespace kvkit_test {
+
+using kvkit::store::RedisBackend;
+using kvkit::store::RedisOptions;
 
 inline std::string find_redis_server() {
   const char* path = std::getenv("PATH");
@@ -94,8 +94,8 @@ class RedisServer {
     stop();
     return spawn();
   }
-  store::RedisOptions options() const {
-    store::RedisOptions o;
+  RedisOptions options() const {
+    RedisOptions o;
     o.host = "127.0.0.1";
     o.port = port_;
     o.password = password_;
@@ -139,10 +139,10 @@ class RedisServer {
         pid_ = -1;
         return false;
       }
-      store::RedisOptions o = options();
+      RedisOptions o = options();
       o.connect_timeout = std::chrono::milliseconds(200);
       o.batch_deadline = std::chrono::milliseconds(300);
-      store::RedisBackend probe(o);
+      RedisBackend probe(o);
       if (probe.connect().is_ok()) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -168,5 +168,4 @@ class RedisServer {
   pid_t pid_ = -1;
 };
 
-}  // namespace test
-}  // namespace kvkit
+}  // namespace kvkit_test

@@ -25,12 +25,12 @@ using namespace kvkit::conversation;
 
 TEST_CASE("spill to redis under pressure, restore on resume", "[conversation][redis]") {
   KVKIT_TEST_RNG(rng);
-  std::unique_ptr<kvkit::test::RedisServer> own;
+  std::unique_ptr<kvkit_test::RedisServer> own;
   store::RedisOptions ro;
   if (const char* url = std::getenv("KVKIT_REDIS_URL")) {
     REQUIRE(store::parse_redis_url(url, &ro).is_ok());
   } else {
-    own = std::make_unique<kvkit::test::RedisServer>();
+    own = std::make_unique<kvkit_test::RedisServer>();
     if (!own->running()) {
       WARN("skipped: no redis-server binary on PATH (or it did not start)");
       return;

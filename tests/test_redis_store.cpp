@@ -38,8 +38,9 @@
 using namespace kvkit;
 using namespace kvkit::store;
 using Clock = std::chrono::steady_clock;
-using kvkit::test::RedisServer;
-using kvkit::test::find_redis_server;
+using kvkit_test::find_redis_server;
+using kvkit_test::free_port;
+using kvkit_test::RedisServer;
 
 namespace {
 
@@ -283,8 +284,13 @@ TEST_CASE("RedisBackend: server paused or killed mid-batch -> bounded error, the
   const auto values = random_values(n, 16384, rng);
   std::vector<KeyState> states(n);
   std::vector<std::string> got(n);
-  auto fill = [&](RedisBackend& r) {
-    REQUIRE(r.put(keys.data(), values.data(), n, states.data()).is_ok());
+  // Filled through a second connection with a generous deadline: the tested one may have a
+  // deadline shorter than 32 MiB of SETs take on a loaded machine (or under ASan).
+  auto fill = [&](RedisBackend&) {
+    RedisOptions fo = server.options();
+    fo.batch_deadline = std::chrono::milliseconds(60000);
+    RedisBackend filler(fo);
+    REQUIRE(filler.put(keys.data(), values.data(), n, states.data()).is_ok());
   };
 
   struct Case {

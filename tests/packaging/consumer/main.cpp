@@ -19,6 +19,11 @@
 #if defined(KVKIT_CONSUMER_CUDA)
 #include <cuda_runtime_api.h>
 #endif
+#if defined(KVKIT_CONSUMER_ZSTD)
+#include <kvkit/store/block_format.hpp>
+#include <zstd.h>
+static_assert(kvkit::store::zstd_available(), "kvkit::zstd must define KVKIT_HAS_ZSTD=1");
+#endif
 
 int main() {
   const kvkit::KVGeometry g{/*num_kv_heads=*/2, /*head_dim=*/8, /*page_size=*/4,
@@ -56,6 +61,11 @@ int main() {
   // Take hiredis' address so the link proves kvkit::redis carries a usable library.
   void (*free_fn)(redisContext*) = &redisFree;
   if (free_fn == nullptr) return 1;
+#endif
+#if defined(KVKIT_CONSUMER_ZSTD)
+  // And for libzstd through kvkit::zstd.
+  std::size_t (*bound_fn)(std::size_t) = &ZSTD_compressBound;
+  if (bound_fn == nullptr) return 1;
 #endif
 #if defined(KVKIT_CONSUMER_CUDA)
   // Same for the CUDA runtime (not called: the test machine may have no GPU).

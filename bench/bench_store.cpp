@@ -1,0 +1,192 @@
+// bench_store: RedisBackend load (GET) and save (SET) of 2048 blocks of 16 KiB and of
+// 64 KiB on one connection to a private redis-server this program starts on a free
+// loopback port, against, in the same run:
+//   - one GET (SET) per key, each waiting for its reply: the PikiwiDB seed's access pattern
+//     (RedisBackend::get_unpipelined / a window of one command), timed alternately with the
+//     pipelined call inside every iteration;
+//   - `redis-benchmark -P 32 -c 1 -d <size> -t set,get` against the same server, run as a
+//     subprocess once per size before the timed iterations (its SET run also stores the
+//     key its GET run reads).
+// Counters: GB_s (pipelined, wall time), one_per_key_GB_s, vs_one_per_key (= one-per-key
+// time / pipelined time), redis_benchmark_GB_s and vs_redis_benchmark (= GB_s /
+// redis_benchmark_GB_s), client_cpu_ms_per_GB (this thread's CPU time of the pipelined calls
+// per GB moved: what the client itself costs, whatever else runs on the machine).
+// Goals (issue 18): vs_redis_benchmark >= 1.0 for load; vs_one_per_key >= 6 at 16 KiB and
+// >= 3 at 64 KiB. Every load is checked byte for byte once.
+// Flags: --kvkit_small (64 blocks: a smoke run), --kvkit_no_redis_benchmark; environment:
+// KVKIT_BENCH_WINDOW_KIB overrides RedisOptions::max_inflight_bytes (default 1024 KiB).
+// Skips (exit 0, a message) when no redis-server is installed.
+
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "kvkit/store/redis_store.hpp"
+#include "redis_server.hpp"  // tests/: the private redis-server fixture
+
+namespace {
+
+using kvkit::store::KeyState;
+using kvkit::store::RedisBackend;
+using kvkit::store::RedisOptions;
+
+bool g_small = false;
+bool g_no_rb = false;
+bool g_failed = false;
+
+kvkit_test::RedisServer& server() {
+  static kvkit_test::RedisServer s;
+  return s;
+}
+
+std::size_t num_blocks() { return g_small ? 64 : 2048; }
+
+struct Data {
+  std::vector<std::string> keys, values;
+};
+
+Data& data(std::size_t size) {
+  static std::map<std::size_t, Data> all;
+  Data& d = all[size];
+  if (d.keys.empty()) {
+    std::mt19937_64 rng(size);
+    for (std::size_t i = 0; i < num_blocks(); ++i) {
+      d.keys.push_back("kvblock:bench:" + std::to_string(size) + ":" + std::to_string(i) + ":k");
+      std::string v(size, '\0');
+      for (std::size_t j = 0; j + 8 <= size; j += 8) {
+        const std::uint64_t r = rng();
+        std::memcpy(&v[j], &r, 8);
+      }
+      d.values.push_back(std::move(v));
+    }
+  }
+  return d;
+}
+
+// redis-benchmark's requests/s for SET and GET of `size`-byte values, one connection,
+// pipeline 32 (0 when it could not run).
+struct RbResult {
+  double set_rps = 0, get_rps = 0;
+};
+
+RbResult redis_benchmark(std::size_t size) {
+  static std::map<std::size_t, RbResult> cache;
+  auto it = cache.find(size);
+  if (it != cache.end()) return it->second;
+  RbResult r;
+  if (!g_no_rb) {
+    const std::size_t n = g_small ? 2000 : (size <= 16384 ? 40000 : 16000);
+    const std::string cmd = "redis-benchmark -h 127.0.0.1 -p " + std::to_string(server().port()) +
+                            " -P 32 -c 1 -d " + std::to_string(size) + " -n " + std::to_string(n) +
+                            " -t set,get --csv 2>/dev/null";
+    if (FILE* p = ::popen(cmd.c_str(), "r")) {
+      char line[512];
+      while (std::fgets(line, sizeof(line), p) != nullptr) {
+        double rps = 0;
+        if (std::sscanf(line, "\"SET\",\"%lf\"", &rps) == 1) r.set_rps = rps;
+        if (std::sscanf(line, "\"GET\",\"%lf\"", &rps) == 1) r.get_rps = rps;
+      }
+      ::pclose(p);
+    }
+  }
+  cache[size] = r;
+  return r;
+}
+
+RedisOptions options() {
+  RedisOptions o = server().options();
+  o.batch_deadline = std::chrono::milliseconds(60000);
+  o.op_timeout = std::chrono::milliseconds(10000);
+  if (const char* w = std::getenv("KVKIT_BENCH_WINDOW_KIB")) o.max_inflight_bytes = std::stoul(w) << 10;
+  return o;
+}
+
+void bm_store(benchmark::State& state, bool load, std::size_t size) {
+  if (!server().running()) {
+    state.SkipWithError("no redis-server binary on PATH");
+    return;
+  }
+  Data& d = data(size);
+  const std::size_t n = d.keys.size();
+  RedisBackend fast(options());
+  RedisOptions one = options();
+  one.max_inflight_commands = 1;  // one command per round trip: the seed's pattern
+  RedisBackend slow(one);
+  std::vector<KeyState> states(n);
+  std::vector<std::string> got(n);
+  if (!fast.put(d.keys.data(), d.values.data(), n, states.data()).is_ok()) {
+    state.SkipWithError("initial SET failed");
+    g_failed = true;
+    return;
+  }
+  if (load) {  // correctness, once
+    if (!fast.get(d.keys.data(), n, got.data(), states.data()).is_ok() || got != d.values) {
+      state.SkipWithError("pipelined GET returned different bytes");
+      g_failed = true;
+      return;
+    }
+  }
+  const RbResult rb = redis_benchmark(size);
+  double t_fast = 0, t_slow = 0, cpu_fast = 0;
+  std::int64_t iters = 0;
+  for (auto _ : state) {
+    // Alternate the order so neither call always runs on a warm server.
+    for (int k = 0; k < 2; ++k) {
+      const bool fast_now = (k == 0) == (iters % 2 == 0);
+      RedisBackend& b = fast_now ? fast : slow;
+      const double t0 = kvkit::bench::wall_now(), c0 = kvkit::bench::thread_cpu_now();
+      const kvkit::Status st = load ? (fast_now ? b.get(d.keys.data(), n, got.data(), states.data())
+                                                : b.get_unpipelined(d.keys.data(), n, got.data(), states.data()))
+                                    : b.put(d.keys.data(), d.values.data(), n, states.data());
+      const double dt = kvkit::bench::wall_now() - t0;
+      if (fast_now) cpu_fast += kvkit::bench::thread_cpu_now() - c0;
+      if (!st.is_ok()) {
+        state.SkipWithError(st.to_string().c_str());
+        g_failed = true;
+        return;
+      }
+      (fast_now ? t_fast : t_slow) += dt;
+      if (fast_now) state.SetIterationTime(dt);
+    }
+    ++iters;
+  }
+  const double bytes = static_cast<double>(n) * static_cast<double>(size) * static_cast<double>(iters);
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
+  state.counters["GB_s"] = bytes / t_fast / 1e9;
+  state.counters["one_per_key_GB_s"] = bytes / t_slow / 1e9;
+  state.counters["vs_one_per_key"] = t_slow / t_fast;
+  // The client's own CPU per GB (pipelined; insensitive to other processes on the cores).
+  state.counters["client_cpu_ms_per_GB"] = cpu_fast * 1e3 / (bytes / 1e9);
+  const double rps = load ? rb.get_rps : rb.set_rps;
+  if (rps > 0) {
+    state.counters["redis_benchmark_GB_s"] = rps * static_cast<double>(size) / 1e9;
+    state.counters["vs_redis_benchmark"] = (bytes / t_fast) / (rps * static_cast<double>(size));
+  }
+}
+
+void register_all() {
+  for (std::size_t size : {std::size_t{16384}, std::size_t{65536}})
+    for (bool load : {true, false}) {
+      const std::string name = std::string("store/") + (load ? "load" : "save") + "/" +
+                               std::to_string(size / 1024) + "KiB/N" + std::to_string(num_blocks());
+      benchmark::RegisterBenchmark(name.c_str(), [load, size](benchmark::State& s) { bm_store(s, load, size); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(g_small ? 0.01 : 1.0);
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return kvkit::bench::run_main(argc, argv, {{"--kvkit_small", &g_small}, {"--kvkit_no_redis_benchmark", &g_no_rb}},
+                                g_failed, register_all);
+}
