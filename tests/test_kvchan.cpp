@@ -650,6 +650,26 @@ TEST_CASE("engine: the fidelity guard backs off on failure and passes when nothi
     CHECK(r.pol->selector().phase() == ChannelPhase::kProbing);
     CHECK(r.pol->checks().back().full_kv_bytes > 0);
     check_bytes(r);
+    // restore_on_backoff: every token now holds the full-width recomputation's K/V, i.e.
+    // what a fresh dense engine computes for the same tokens (same arithmetic: exact).
+    Engine ref(stories(), small_opts());
+    const SeqId rid = ref.add_sequence(r.eng->processed_tokens(r.id));
+    ref.prefill(rid);
+    ref.step();
+    const engine::ModelConfig c = r.eng->config();
+    const std::int32_t D = c.head_dim(), total = r.pol->old_tokens(r.id) + r.eng->kv_len(r.id);
+    REQUIRE(r.pol->old_tokens(r.id) > 0);
+    REQUIRE(ref.kv_len(rid) == total);
+    std::vector<float> k(D), v(D);
+    for (std::int32_t t = 0; t < total; ++t)
+      for (int l = 0; l < c.n_layers; ++l)
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          r.pol->read_token(r.id, l, t, h, k.data(), v.data());
+          const PagedKVView<float>& rv = ref.layer_views()[static_cast<std::size_t>(l)];
+          INFO("t=" << t << " layer " << l << " head " << h);
+          REQUIRE(std::equal(k.begin(), k.end(), rv.k_ptr(0, t, h)));
+          REQUIRE(std::equal(v.begin(), v.end(), rv.v_ptr(0, t, h)));
+        }
   }
   SECTION("all dims kept: every check passes with KL ~ 0") {
     ChannelParams p = small_params();

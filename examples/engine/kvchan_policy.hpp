@@ -25,9 +25,10 @@
 // selector; while packed, every check_every steps compare this step's logits with a
 // full-width baseline (a fresh engine on the same checkpoint prefilled with the
 // sequence's processed tokens: full-width recomputation) and on failure unpack every
-// sequence's old tokens to full width (a full-width pool of the policy: the selected dims
-// exact, dropped K dims 0, dropped V dims 0 or their mean with compensation), reset the
-// stability counters and probe again; when stable again the old tokens are re-packed
+// sequence's old tokens to full width (a full-width pool of the policy), overwrite them and
+// the window with the recomputation's K/V (restore_on_backoff, default; without it the
+// old tokens keep their selected dims, dropped K dims 0, dropped V dims 0 or their mean
+// with compensation), reset the stability counters and probe again; when stable again the old tokens are re-packed
 // with the new sets. Then pack whatever left the window.
 //
 // Limits: fork_sequence of a sequence with packed tokens is not supported (the fork has
@@ -56,6 +57,10 @@ namespace engine {
 struct KvchanOptions {
   channel::ChannelParams params;
   std::string jsonl_path;  // one JSON record per fidelity check ("" : none)
+  /// On a failed check, replace every sequence's K/V (old tokens and window) with the
+  /// full-width recomputation the check ran, so the back-off loses nothing; false: the old
+  /// tokens are unpacked from their packed rows (dropped dims 0 / mean).
+  bool restore_on_backoff = true;
 };
 
 /// One fidelity check (also a line of the --jsonl file).
@@ -114,6 +119,7 @@ class KvchanPolicy : public EnginePolicy {
     s.emplace_back("checks_failed", static_cast<double>(checks_failed_));
     s.emplace_back("selection_updates", sel_ ? static_cast<double>(sel_->updates()) : 0);
     s.emplace_back("old_tokens", static_cast<double>(old));
+    s.emplace_back("restored_tokens", static_cast<double>(restored_tokens_));
     s.emplace_back("kvchan_pool_bytes", static_cast<double>(pool_bytes()));
     s.emplace_back("kvchan_packed_bytes", packed_ ? static_cast<double>(packed_->bytes_in_use()) : 0);
     s.emplace_back("kvchan_metadata_bytes", sel_ ? static_cast<double>(metadata_bytes()) : 0);
@@ -331,6 +337,7 @@ class KvchanPolicy : public EnginePolicy {
         info.step - last_check_step_ >= opt_.params.check_every) {
       last_check_step_ = info.step;
       bool failed = false;
+      std::map<SeqId, std::unique_ptr<Engine>> bases;  // full-width recomputations
       for (std::int32_t b = 0; b < info.batch; ++b) {
         const SeqId id = info.seq_ids[b];
         const SeqState* st = find(id);
@@ -340,15 +347,20 @@ class KvchanPolicy : public EnginePolicy {
         ch.seq = id;
         ch.kv_bytes = eng.kv_bytes_in_use();
         ch.full_kv_bytes = full_width_bytes(eng);
-        const std::vector<float> base = baseline_logits(eng, id);
-        ch.metrics = channel::compare_logits(base.data(), info.logits + static_cast<std::size_t>(b) * c.vocab_size,
+        std::unique_ptr<Engine> base = baseline(eng, id);
+        const std::vector<float>& bl = base->last_logits(base->sequences().front());
+        bases[id] = std::move(base);
+        ch.metrics = channel::compare_logits(bl.data(), info.logits + static_cast<std::size_t>(b) * c.vocab_size,
                                              c.vocab_size, opt_.params.thresholds);
         failed = failed || !ch.metrics.passed;
         checks_failed_ += ch.metrics.passed ? 0 : 1;
         checks_.push_back(ch);
         write_jsonl(ch, !ch.metrics.passed);
       }
-      if (failed) back_off();
+      if (failed) {
+        back_off();
+        if (opt_.restore_on_backoff) restore(eng, bases);
+      }
     }
     if (sel_->phase() != channel::ChannelPhase::kPacked) return;
     for (SeqId id : ids) {
@@ -367,8 +379,9 @@ class KvchanPolicy : public EnginePolicy {
     return eng.pages_bytes(pages);
   }
 
-  // Next-token logits of `id` from a fresh full-width engine on the same checkpoint.
-  static std::vector<float> baseline_logits(Engine& eng, SeqId id) {
+  // A fresh full-width engine on the same checkpoint that processed the tokens of `id`
+  // (prefill, then one step: its last_logits are the baseline's next-token logits).
+  static std::unique_ptr<Engine> baseline(Engine& eng, SeqId id) {
     const std::vector<std::int32_t> toks = eng.processed_tokens(id);
     EngineOptions bo;
     bo.page_size = eng.options().page_size;
@@ -376,11 +389,48 @@ class KvchanPolicy : public EnginePolicy {
     bo.max_batch = 1;
     bo.threads = eng.options().threads;
     bo.num_pages = static_cast<std::int32_t>((toks.size() + static_cast<std::size_t>(bo.page_size)) / bo.page_size + 1);
-    Engine base(eng.model().checkpoint_ptr(), bo);
-    const SeqId b = base.add_sequence(toks);
-    base.prefill(b);
-    base.step();
-    return base.last_logits(b);
+    auto base = std::make_unique<Engine>(eng.model().checkpoint_ptr(), bo);
+    const SeqId b = base->add_sequence(toks);
+    base->prefill(b);
+    base->step();
+    return base;
+  }
+
+  // After back_off(): every sequence's tokens (old ones in the full-width pool, the
+  // engine's window) get the K/V of its full-width recomputation (computed here for a
+  // sequence the check did not recompute).
+  void restore(Engine& eng, std::map<SeqId, std::unique_ptr<Engine>>& bases) {
+    const ModelConfig& c = eng.config();
+    const std::int32_t D = c.head_dim(), P = eng.options().page_size;
+    for (SeqId id : eng.sequences()) {
+      SeqState* st = find(id);
+      if (st == nullptr || st->n_old == 0) continue;
+      if (!bases.count(id)) bases[id] = baseline(eng, id);
+      Engine& base = *bases[id];
+      const PagedKVView<float>* bv = base.layer_views().data();
+      KVKIT_CHECK(base.kv_len(base.sequences().front()) == st->n_old + eng.kv_len(id),
+                  "kvchan: internal: recomputation of sequence ", id, " has ", base.kv_len(base.sequences().front()),
+                  " tokens, the policy holds ", st->n_old + eng.kv_len(id));
+      for (std::int32_t t = 0; t < st->n_old; ++t)
+        for (std::int32_t l = 0; l < c.n_layers; ++l)
+          for (std::int32_t h = 0; h < c.n_kv_heads; ++h) {
+            const std::int32_t page = st->pages[static_cast<std::size_t>(t / P)];
+            std::copy_n(bv[l].k_ptr(0, t, h), D, full_->k_row(l, page, t % P, h));
+            std::copy_n(bv[l].v_ptr(0, t, h), D, full_->v_row(l, page, t % P, h));
+          }
+      eng.make_exclusive(id);
+      const std::vector<SeqId> ids = eng.sequences();
+      const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
+      const std::vector<PagedKVView<float>>& views = eng.layer_views();
+      for (std::int32_t e = 0; e < eng.kv_len(id); ++e)
+        for (std::int32_t l = 0; l < c.n_layers; ++l)
+          for (std::int32_t h = 0; h < c.n_kv_heads; ++h) {
+            std::copy_n(bv[l].k_ptr(0, st->n_old + e, h), D, views[static_cast<std::size_t>(l)].k_ptr(b, e, h));
+            std::copy_n(bv[l].v_ptr(0, st->n_old + e, h), D, views[static_cast<std::size_t>(l)].v_ptr(b, e, h));
+          }
+      if (!eng.pages(id).empty()) eng.notify_rewrite(id, eng.pages(id));
+      restored_tokens_ += st->n_old + eng.kv_len(id);
+    }
   }
 
   void write_jsonl(const KvchanCheck& ch, bool backoff) {
@@ -534,7 +584,7 @@ class KvchanPolicy : public EnginePolicy {
   std::unique_ptr<channel::PackedPagePool<float>> packed_, full_;  // rK/rV pages, full-width pages
   std::map<SeqId, SeqState> seqs_;
   std::vector<KvchanCheck> checks_;
-  std::int64_t checks_failed_ = 0, last_check_step_ = 0, peak_pool_bytes_ = 0;
+  std::int64_t checks_failed_ = 0, last_check_step_ = 0, peak_pool_bytes_ = 0, restored_tokens_ = 0;
   std::unique_ptr<std::ofstream> jsonl_;
   // Attention scratch (grows to the largest batch once).
   std::vector<std::int32_t> indptr_, indices_, last_len_;
