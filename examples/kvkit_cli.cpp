@@ -4,6 +4,7 @@
 //   kvkit generate [engine options] [--batch B] [--table csr|block] [--contiguous] [--json]
 //   kvkit generate --model M.gguf --prompt "text" [--chat] [--system S] [--max-tokens N]
 //                  [--stop-at-eos] [--prefill batch|tokens] [--json]
+//   kvkit generate ... --policy NAME [policy options] [--compare-full]
 //   kvkit chat     --model M.gguf [--system S] [--max-tokens N] [--json]   (turns on stdin)
 //   kvkit trace    [engine options] --out DIR [--json]
 //   kvkit r1kv     --keys K.npy --queries Q.npy --values V.npy --budget B ... --out KEPT.npy
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -39,8 +41,10 @@
 #include <vector>
 
 #include "cli/cmd_r1kv.hpp"
+#include "cli/policies.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
+#include "engine/fidelity.hpp"
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/npy.hpp"
@@ -52,6 +56,8 @@ namespace {
 using kvkit::engine::Checkpoint;
 using kvkit::engine::Engine;
 using kvkit::engine::EngineOptions;
+using kvkit::engine::EnginePolicy;
+using kvkit::engine::FidelityMeter;
 using Json = nlohmann::json;
 
 constexpr std::int32_t kMaxBatch = 4096;
@@ -114,7 +120,17 @@ struct Options {
   bool system_given = false;
   bool max_tokens_given = false;
   bool steps_given = false;
+  // --policy (examples/cli/policies.hpp) and --compare-full.
+  std::string policy;
+  bool compare_full = false;
+  std::shared_ptr<std::vector<kvkit::cli::PolicyEntry>> policies;  // owns the policies' option storage
 };
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string o;
+  for (std::size_t i = 0; i < v.size(); ++i) o += (i ? sep : "") + v[i];
+  return o;
+}
 
 // Validator: an integer in [lo, hi], message naming the value (CLI11 prefixes the option).
 CLI::Validator int_in(std::int64_t lo, std::int64_t hi) {
@@ -212,6 +228,20 @@ bool parse_args(int argc, char** argv, Options& o) {
   gen->add_flag("--chat", o.chat, "GGUF: wrap --prompt in the ChatML template as a user turn");
   gen->add_flag("--stop-at-eos", o.stop_at_eos, "GGUF: stop at the end-of-turn token (<|im_end|>, EOS)");
   add_text_options(*gen, o, false);
+  o.policies = std::make_shared<std::vector<kvkit::cli::PolicyEntry>>(kvkit::cli::all_policies());
+  std::vector<std::string> policy_names;
+  for (const kvkit::cli::PolicyEntry& e : *o.policies) {
+    policy_names.insert(policy_names.end(), e.names.begin(), e.names.end());
+    e.add_options(*gen);
+  }
+  gen->add_option("--policy", o.policy,
+                  "KV-cache policy hosted during the run: " + join(policy_names, ", ") +
+                      " (default: no policy; none hosts nothing, the full cache, to check --compare-full); its options are listed here too")
+      ->type_name("NAME")
+      ->check(CLI::IsMember(policy_names));
+  gen->add_flag("--compare-full", o.compare_full,
+                "also run the full cache in lockstep, its greedy tokens teacher-forced into the policy "
+                "run, and report top1_agreement, mean_kl, max_kl (nats) over the generated steps");
   CLI::App* chat = app.add_subcommand("chat", "interactive multi-turn chat with a GGUF model: one user turn per stdin line, the conversation's KV kept between turns");
   add_engine_options(*chat, o, false);
   add_text_options(*chat, o, true);
@@ -258,6 +288,14 @@ bool parse_args(int argc, char** argv, Options& o) {
   o.system_given = o.command != "trace" && cmd->count("--system") > 0;
   o.max_tokens_given = o.command != "trace" && cmd->count("--max-tokens") > 0;
   if (o.command == "chat") o.stop_at_eos = true;
+  if (o.command == "generate") {
+    // A family's options without one of its policies would be silently ignored.
+    for (const kvkit::cli::PolicyEntry& e : *o.policies)
+      for (const std::string& opt : e.option_names)
+        if (gen->count(opt) > 0 && std::find(e.names.begin(), e.names.end(), o.policy) == e.names.end())
+          throw UsageError(opt + " needs --policy " + join(e.names, "|"));
+    if (o.compare_full && o.policy.empty()) throw UsageError("--compare-full needs --policy NAME");
+  }
   return true;
 }
 
@@ -446,10 +484,13 @@ std::string strip_kvkit_prefix(const std::string& msg) {
 
 // Builds the engine and adds one sequence per prompt. The options and prompts were checked
 // above, so a kvkit::Error here is still a configuration problem: a usage error (exit 2).
+// A policy attaches before the sequences exist (policy.hpp).
 std::unique_ptr<Engine> make_engine(const LoadedModel& m, const EngineOptions& e,
-                                    const std::vector<std::vector<std::int32_t>>& prompts) {
+                                    const std::vector<std::vector<std::int32_t>>& prompts,
+                                    EnginePolicy* policy = nullptr) {
   try {
     auto eng = std::make_unique<Engine>(m.ckpt, e);
+    if (policy) policy->attach(*eng);
     for (const auto& p : prompts) eng->add_sequence(p);
     return eng;
   } catch (const kvkit::Error& err) {
@@ -467,18 +508,112 @@ void check_steps(const Options& o, const LoadedModel& m) {
                      std::to_string(max));
 }
 
-// Runs `steps` engine steps, showing progress only when stderr is a terminal.
-double run_steps(Engine& eng, std::int32_t steps) {
+// The policy's engine, built from --policy (nullptr without one); bad values are usage errors.
+std::unique_ptr<EnginePolicy> make_policy(const Options& o, const kvkit::engine::ModelConfig& c,
+                                          const EngineOptions& eo) {
+  if (o.policy.empty()) return nullptr;
+  for (const kvkit::cli::PolicyEntry& e : *o.policies)
+    if (std::find(e.names.begin(), e.names.end(), o.policy) != e.names.end()) {
+      try {
+        return e.make(o.policy, c, eo);
+      } catch (const kvkit::Error& err) {
+        throw UsageError("--policy " + o.policy + ": " + strip_kvkit_prefix(err.what()));
+      }
+    }
+  throw UsageError("unknown --policy " + o.policy);
+}
+
+// Steps the engine of a run and, with --compare-full, a full-cache engine in lockstep: the
+// full engine steps first and its next token (greedy, or the prompt's) is forced into the
+// policy engine, so both see the same tokens; steps whose logits predict a token past the
+// prompt are compared (fidelity.hpp). Sequences pair up in the engines' id order.
+struct Lockstep {
+  Engine* eng = nullptr;                 // the run (with the policy, if any)
+  Engine* full = nullptr;                // the full-cache engine, or nullptr
+  std::vector<std::size_t> prompt_len;   // per sequence (id order): steps before it are not compared
+  FidelityMeter meter;
+  double eng_seconds = 0;                // time in eng's steps alone
+
+  void prefill(kvkit::engine::SeqId id) {
+    eng->prefill(id);
+    if (full) full->prefill(id);
+  }
+  void step() {
+    if (!full) {
+      eng->step();
+      return;
+    }
+    full->step();
+    const auto ids = full->sequences();
+    const auto own = eng->sequences();
+    std::vector<std::int32_t> forced;
+    for (kvkit::engine::SeqId id : ids) forced.push_back(full->pending_token(id));
+    const auto t0 = std::chrono::steady_clock::now();
+    eng->forward_tokens(forced);
+    eng_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::int32_t vocab = full->config().vocab_size;
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (static_cast<std::size_t>(full->position(ids[i])) >= prompt_len.at(i))
+        meter.add(full->last_logits(ids[i]).data(), eng->last_logits(own.at(i)).data(), vocab);
+  }
+  // Seconds per policy-engine step over `wall` seconds of lockstep running.
+  double run_seconds(double wall) const { return full ? std::max(eng_seconds, 1e-9) : wall; }
+};
+
+Lockstep make_lockstep(Engine& eng, Engine* full) {
+  Lockstep ls;
+  ls.eng = &eng;
+  ls.full = full;
+  for (kvkit::engine::SeqId id : eng.sequences()) ls.prompt_len.push_back(eng.tokens(id).size());
+  return ls;
+}
+
+// Adds the policy's counters and, with --compare-full, the fidelity fields to `j`.
+void add_policy_json(Json& j, const EnginePolicy* policy, const Lockstep& ls) {
+  if (!policy) return;
+  j["policy"] = policy->name();
+  for (const auto& kv : policy->stats()) {
+    KVKIT_CHECK(!j.contains(kv.first), "kvkit: policy ", policy->name(), " reports '", kv.first,
+                "', a key the CLI already writes");
+    const double v = kv.second;
+    if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9e15) j[kv.first] = static_cast<std::int64_t>(v);
+    else j[kv.first] = v;
+  }
+  j["compare_full"] = ls.full != nullptr;
+  if (!ls.full) return;
+  j["top1_agreement"] = ls.meter.top1_agreement();
+  j["mean_kl"] = ls.meter.mean_kl();
+  j["max_kl"] = ls.meter.max_kl();
+  j["compare_steps"] = ls.meter.steps();
+  j["full_kv_bytes_final"] = ls.full->kv_bytes_in_use();
+}
+
+// One line for humans: the policy's counters and the fidelity.
+std::string policy_line(const EnginePolicy* policy, const Lockstep& ls) {
+  if (!policy) return "";
+  std::ostringstream os;
+  os << "policy " << policy->name() << ":";
+  const auto stats = policy->stats();
+  for (std::size_t i = 0; i < stats.size(); ++i) os << (i ? "," : "") << " " << stats[i].first << " " << stats[i].second;
+  if (ls.full)
+    os << (stats.empty() ? "" : ";") << " vs the full cache over " << ls.meter.steps() << " steps: top-1 agreement "
+       << ls.meter.top1_agreement() << ", mean KL " << ls.meter.mean_kl() << ", max KL " << ls.meter.max_kl()
+       << " nats; KV bytes " << ls.eng->kv_bytes_in_use() << " vs " << ls.full->kv_bytes_in_use() << " full";
+  return os.str();
+}
+
+// Runs `steps` steps, showing progress only when stderr is a terminal.
+double run_steps(Lockstep& ls, std::int32_t steps) {
   const bool tty = isatty(STDERR_FILENO) != 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (std::int32_t s = 0; s < steps; ++s) {
-    eng.step();
+    ls.step();
     if (tty && ((s + 1) % 16 == 0 || s + 1 == steps))
       std::fprintf(stderr, "\rkvkit: step %d/%d", s + 1, steps);
   }
   if (tty) std::fprintf(stderr, "\n");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return secs > 0 ? secs : 1e-9;
+  return ls.run_seconds(secs > 0 ? secs : 1e-9);
 }
 
 std::string join_ints(const std::vector<std::int32_t>& v) {
@@ -518,8 +653,11 @@ int cmd_generate(const Options& o) {
     seq_prompts.push_back(prompts.empty() ? std::vector<std::int32_t>{kvkit::engine::kBosToken}
                                           : prompts[static_cast<std::size_t>(b) % prompts.size()].tokens);
   const EngineOptions eo = engine_options(o, c, batch);
-  const auto eng = make_engine(m, eo, seq_prompts);
-  const double secs = run_steps(*eng, o.steps);
+  const auto policy = make_policy(o, c, eo);
+  const auto eng = make_engine(m, eo, seq_prompts, policy.get());
+  const auto full = o.compare_full ? make_engine(m, eo, seq_prompts) : nullptr;
+  Lockstep ls = make_lockstep(*eng, full.get());
+  const double secs = run_steps(ls, o.steps);
   const double tps = static_cast<double>(o.steps) * batch / secs;
   const auto ids = eng->sequences();
   const EngineOptions& eff = eng->options();
@@ -528,7 +666,7 @@ int cmd_generate(const Options& o) {
     Json seqs = Json::array();
     for (std::size_t b = 0; b < ids.size(); ++b)
       seqs.push_back({{"index", b}, {"prompt", seq_prompts[b]}, {"tokens", eng->tokens(ids[b])}});
-    const Json j = {{"command", "generate"},
+    Json j = {{"command", "generate"},
                     {"version", KVKIT_VERSION},
                     {"model", m.name},
                     {"synthetic", m.name == "synthetic"},
@@ -545,6 +683,7 @@ int cmd_generate(const Options& o) {
                     {"kv_bytes_peak", eng->kv_bytes_peak()},
                     {"kv_bytes_final", eng->kv_bytes_in_use()},
                     {"pages_in_use", eng->pages_in_use()}};
+    add_policy_json(j, policy.get(), ls);
     std::cout << dump(j);
   } else {
     std::cout << describe(m) << "\n";
@@ -558,6 +697,7 @@ int cmd_generate(const Options& o) {
               << eng->kv_bytes_peak() << "), " << eng->pages_in_use() << " of " << eff.num_pages
               << " pages of " << eff.page_size << " tokens, layout " << o.layout << ", " << o.table
               << " page table\n";
+    if (policy) std::cout << policy_line(policy.get(), ls) << "\n";
   }
   return 0;
 }
@@ -588,7 +728,8 @@ int cmd_trace(const Options& o) {
               info.queries[l][h * hd + d];
     std::copy(info.logits, info.logits + c.vocab_size, logits.begin() + t * c.vocab_size);
   });
-  run_steps(*eng, o.steps);
+  Lockstep ls = make_lockstep(*eng, nullptr);
+  run_steps(ls, o.steps);
   std::filesystem::create_directories(o.out);
   const std::filesystem::path dir(o.out);
   std::vector<std::string> files;
@@ -683,25 +824,27 @@ struct TurnStats {
 // generates up to max_tokens tokens, calling on_token for each kept one. Leaves the stop
 // token pending.
 template <class OnToken>
-TurnStats run_turn(Engine& eng, SeqId id, bool batched, std::int32_t max_tokens,
+TurnStats run_turn(Lockstep& ls, SeqId id, bool batched, std::int32_t max_tokens,
                    bool stop_at_eos, const Tokenizer& tok, OnToken on_token) {
+  Engine& eng = *ls.eng;
   TurnStats t;
   t.reused = eng.kv_len(id);
   const std::size_t prompt_end = eng.tokens(id).size();
   t.prompt = static_cast<std::int32_t>(prompt_end) - eng.position(id);
   const std::int32_t seq_len = eng.config().seq_len;
   auto t0 = std::chrono::steady_clock::now();
-  if (batched) eng.prefill(id);
+  if (batched) ls.prefill(id);
   while (eng.tokens(id).size() == prompt_end) {  // the rest of the prompt, then its first token
     if (eng.position(id) >= seq_len) {
       t.stop = "seq_len";
       t.prefill_s = seconds_since(t0);
       return t;
     }
-    eng.step();
+    ls.step();
   }
   t.prefill_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
+  const double eng_before = ls.eng_seconds;
   for (;;) {
     const std::int32_t next = eng.tokens(id).back();
     if (stop_at_eos && tok.is_end_of_generation(next)) {
@@ -718,10 +861,11 @@ TurnStats run_turn(Engine& eng, SeqId id, bool batched, std::int32_t max_tokens,
       t.stop = "seq_len";
       break;
     }
-    eng.step();
+    ls.step();
     ++t.decode_steps;
   }
-  t.decode_s = seconds_since(t0);
+  // With --compare-full only the policy engine's steps count (the prefill time covers both).
+  t.decode_s = ls.full ? ls.eng_seconds - eng_before : seconds_since(t0);
   return t;
 }
 
@@ -795,14 +939,17 @@ int cmd_generate_gguf(const Options& o) {
   const std::int32_t positions = static_cast<std::int32_t>(
       std::min<std::int64_t>(c.seq_len, static_cast<std::int64_t>(prompt.size()) + o.max_tokens - 1));
   const EngineOptions eo = text_engine_options(o, c, positions);
-  const auto eng = make_engine(tm.model, eo, {prompt});
+  const auto policy = make_policy(o, c, eo);
+  const auto eng = make_engine(tm.model, eo, {prompt}, policy.get());
+  const auto full = o.compare_full ? make_engine(tm.model, eo, {prompt}) : nullptr;
+  Lockstep ls = make_lockstep(*eng, full.get());
   const SeqId id = eng->sequences().at(0);
-  const TurnStats t = run_turn(*eng, id, o.prefill == "batch", o.max_tokens, o.stop_at_eos, *tm.tok,
+  const TurnStats t = run_turn(ls, id, o.prefill == "batch", o.max_tokens, o.stop_at_eos, *tm.tok,
                                TokenPrinter{*tm.tok, !o.json});
   const std::string answer = tm.tok->decode(t.generated, /*render_special=*/false);
   const EngineOptions& eff = eng->options();
   if (o.json) {
-    const Json j = {{"command", "generate"},
+    Json j = {{"command", "generate"},
                     {"version", KVKIT_VERSION},
                     {"model", tm.model.name},
                     {"synthetic", false},
@@ -828,9 +975,11 @@ int cmd_generate_gguf(const Options& o) {
                     {"kv_bytes_peak", eng->kv_bytes_peak()},
                     {"kv_bytes_final", eng->kv_bytes_in_use()},
                     {"pages_in_use", eng->pages_in_use()}};
+    add_policy_json(j, policy.get(), ls);
     std::cout << dump(j);
   } else {
     std::cout << "\n" << std::flush;  // the text was printed token by token
+    if (policy) std::cerr << "kvkit: " << policy_line(policy.get(), ls) << "\n";
     std::cerr << "kvkit: " << stats_line(t) << " (" << eff.threads << " thread"
               << (eff.threads == 1 ? "" : "s") << ", prefill " << o.prefill << ")\n";
   }
@@ -879,7 +1028,8 @@ int cmd_chat(const Options& o) {
       }
       eng->append_tokens(id, new_tokens);
     }
-    const TurnStats t = run_turn(*eng, id, o.prefill == "batch", o.max_tokens, true, *tm.tok,
+    Lockstep ls = make_lockstep(*eng, nullptr);
+    const TurnStats t = run_turn(ls, id, o.prefill == "batch", o.max_tokens, true, *tm.tok,
                                  TokenPrinter{*tm.tok, !o.json});
     const std::string answer = tm.tok->decode(t.generated, false);
     if (o.json) {

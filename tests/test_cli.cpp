@@ -296,6 +296,8 @@ TEST_CASE("kvkit CLI usage errors exit 2 naming the value", "[cli][errors]") {
       {"generate --prompt-file " + bad, {"line 2", "'x7'"}},
       {"generate --prompt-file " + empty, {"holds no prompt"}},
       {"trace --out x --prompt 1 --prompt '1 2'", {"one sequence", "2 prompts"}},
+      {"generate --compare-full", {"--compare-full needs --policy"}},
+      {"generate --policy nonesuch", {"--policy", "nonesuch"}},
       // Text options need a GGUF model (its tokenizer).
       {"generate --chat --prompt hi", {"--chat", "GGUF", "no --model"}},
       {"generate --stop-at-eos", {"--stop-at-eos", "GGUF"}},
@@ -349,6 +351,25 @@ TEST_CASE("kvkit CLI --json errors print an error object on stdout too", "[cli][
     CHECK(msg.find(c.needle) != std::string::npos);
     CHECK(r.err.find(msg) != std::string::npos);  // the same message on stderr
   }
+}
+
+TEST_CASE("kvkit generate --policy none --compare-full: the comparison of equal runs is exact",
+          "[cli][policy]") {
+  // Both engines run the same arithmetic, so every compared step agrees with KL 0; the
+  // tokens are the full run's (teacher-forced into the policy run), i.e. plain greedy.
+  const Json j = run_json("generate --steps 40 --prompt '1 5 9' --prompt '1 7' --policy none --compare-full --json");
+  CHECK(j.at("policy") == "none");
+  CHECK(j.at("compare_full") == true);
+  CHECK(j.at("top1_agreement") == 1.0);
+  CHECK(j.at("mean_kl") == 0.0);
+  CHECK(j.at("max_kl") == 0.0);
+  CHECK(j.at("compare_steps") == (40 - 3 + 1) + (40 - 2 + 1));  // steps predicting a generated token
+  CHECK(j.at("full_kv_bytes_final") == j.at("kv_bytes_final"));
+  CHECK(all_tokens(j) == run_engine(synthetic(), EngineOptions{}, {{1, 5, 9}, {1, 7}}, 40));
+  const Json plain = run_json("generate --steps 40 --prompt '1 5 9' --prompt '1 7' --policy none --json");
+  CHECK(plain.at("compare_full") == false);
+  CHECK(!plain.contains("top1_agreement"));
+  CHECK(all_tokens(plain) == all_tokens(j));
 }
 
 TEST_CASE("kvkit CLI --version and --help exit 0", "[cli][help]") {

@@ -1,0 +1,77 @@
+#pragma once
+// Fidelity of a policy run against the full-cache run, step by step: both engines get
+// the same tokens (the full run's greedy choice is teacher-forced into the policy run,
+// so their contexts never drift apart) and the next-token distributions are compared.
+//
+//   top1_agreement = fraction of steps whose argmax (lowest id on ties) is the same
+//   KL             = sum_v p_full(v) * (log p_full(v) - log p_policy(v)), in nats, with
+//                    p = softmax(logits) computed in float64; mean and max over steps.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvkit/core/error.hpp"
+
+namespace kvkit {
+namespace engine {
+
+/// KL(softmax(full) || softmax(policy)) in nats, float64, over n logits.
+inline double kl_from_logits(const float* full,    // [n]
+                             const float* policy,  // [n]
+                             std::int32_t n) {
+  KVKIT_CHECK(n > 0, "kvkit: kl_from_logits needs n > 0, got ", n);
+  double mf = full[0], mp = policy[0];
+  for (std::int32_t i = 1; i < n; ++i) {
+    mf = std::max<double>(mf, full[i]);
+    mp = std::max<double>(mp, policy[i]);
+  }
+  double zf = 0, zp = 0;
+  for (std::int32_t i = 0; i < n; ++i) {
+    zf += std::exp(full[i] - mf);
+    zp += std::exp(policy[i] - mp);
+  }
+  const double lzf = std::log(zf) + mf, lzp = std::log(zp) + mp;
+  double kl = 0;
+  for (std::int32_t i = 0; i < n; ++i) {
+    const double lf = full[i] - lzf, lp = policy[i] - lzp;
+    kl += std::exp(lf) * (lf - lp);
+  }
+  return std::max(0.0, kl);  // rounding can give -1e-17 for equal inputs
+}
+
+/// Index of the largest logit, lowest index on ties (the engine's greedy rule).
+inline std::int32_t argmax_logit(const float* x,  // [n]
+                                 std::int32_t n) {
+  std::int32_t best = 0;
+  for (std::int32_t i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return best;
+}
+
+/// Accumulates per-step comparisons of a policy run with the full-cache run.
+class FidelityMeter {
+ public:
+  /// Compares one step's next-token logits of one sequence.
+  void add(const float* full,    // [vocab]
+           const float* policy,  // [vocab]
+           std::int32_t vocab) {
+    const double kl = kl_from_logits(full, policy, vocab);
+    ++steps_;
+    agree_ += argmax_logit(full, vocab) == argmax_logit(policy, vocab);
+    sum_kl_ += kl;
+    max_kl_ = std::max(max_kl_, kl);
+  }
+  std::int64_t steps() const { return steps_; }
+  double top1_agreement() const { return steps_ ? static_cast<double>(agree_) / steps_ : 1.0; }
+  double mean_kl() const { return steps_ ? sum_kl_ / steps_ : 0.0; }
+  double max_kl() const { return max_kl_; }
+
+ private:
+  std::int64_t steps_ = 0, agree_ = 0;
+  double sum_kl_ = 0, max_kl_ = 0;
+};
+
+}  // namespace engine
+}  // namespace kvkit

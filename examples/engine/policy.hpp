@@ -1,0 +1,39 @@
+#pragma once
+// EnginePolicy: how the example engine hosts a kvkit policy for a whole run (the CLI's
+// `generate --policy NAME`, the demos and the quality reports).
+//
+// A policy is built for one engine, attaches its hooks once (step hooks, the attention
+// hook, page listeners, the reclaim callback, extra pools) before the first sequence is
+// added, and reports counters. Several policies may attach to one engine: each sees the
+// others' page changes through page events (kRewrite from a compaction, releases), never
+// through private calls, so none assumes it is alone (see engine.hpp's host contract).
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/engine.hpp"
+
+namespace kvkit {
+namespace engine {
+
+/// Counters of a policy, in a stable order: ("compressions", 3), ("pages_freed", 40).
+using PolicyStats = std::vector<std::pair<std::string, double>>;
+
+/// A policy hosted by the example engine. attach() is called once, before the engine has
+/// sequences; stats() may be called at any time (names become JSON keys of `kvkit
+/// generate --json`, so use snake_case and do not reuse the CLI's own keys).
+class EnginePolicy {
+ public:
+  virtual ~EnginePolicy() = default;
+  /// The --policy name this object was built for ("r1kv", "kvchan", ...).
+  virtual std::string name() const = 0;
+  /// Installs the policy's hooks on `eng`; throws kvkit::Error when the engine's model or
+  /// options cannot host it (value named).
+  virtual void attach(Engine& eng) = 0;
+  /// Counters so far.
+  virtual PolicyStats stats() const = 0;
+};
+
+}  // namespace engine
+}  // namespace kvkit
