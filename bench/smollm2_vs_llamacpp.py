@@ -9,7 +9,11 @@ llama-cpp-python (the project venv: scripts/setup-venv.sh), timed here: prefill 
 evaluation of the prompt (until the first token), decode = N further greedy tokens.
 
 Usage: ../kvkit-venv/bin/python bench/smollm2_vs_llamacpp.py --cli build/examples/kvkit \
-           [--model PATH] [--threads 1 2] [--contexts 1024 4096] [--decode 64]
+           [--baseline-cli OLD/kvkit] [--model PATH] [--threads 1 2] [--contexts 1024 4096]
+           [--decode 64] [--repeat 1]
+--baseline-cli adds the decode tokens/s of another kvkit build (e.g. main before a change)
+to every row, run in the same loop. --repeat N runs every measurement N times and keeps the
+best (highest tokens/s) of each, which filters out bursts of load from other processes.
 Prints a Markdown table (the format of bench/RESULTS.md) and, with --json, the raw rows.
 """
 import argparse
@@ -81,9 +85,19 @@ def run_llamacpp(llama_cls, model, ids, threads, decode):
             "decode_tps": (n - 1) / (t_end - t_first)}
 
 
+def best(runs):
+    """Each figure's best (highest tokens/s) over repeated runs."""
+    out = dict(runs[0])
+    for key in ("decode_tps", "prefill_tps"):
+        out[key] = max(r[key] for r in runs)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cli", required=True, help="path of the kvkit CLI binary")
+    ap.add_argument("--baseline-cli", help="another kvkit CLI build to compare (before/after)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per measurement; the best is kept")
     ap.add_argument("--model", default=default_model())
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
@@ -105,19 +119,34 @@ def main():
         text = cut_text(suite_text(ctx, tok), ctx, tok, detok)
         ids = tok(text)
         for t in a.threads:
-            k = run_kvkit(a.cli, a.model, text, t, a.decode)
-            l = run_llamacpp(Llama, a.model, ids, t, a.decode)
-            rows.append({"context": len(ids), "threads": t, "kvkit": k, "llama_cpp": l})
+            ks, ls, bs = [], [], []
+            for _ in range(a.repeat):
+                ks.append(run_kvkit(a.cli, a.model, text, t, a.decode))
+                ls.append(run_llamacpp(Llama, a.model, ids, t, a.decode))
+                if a.baseline_cli:
+                    bs.append(run_kvkit(a.baseline_cli, a.model, text, t, a.decode))
+            row = {"context": len(ids), "threads": t, "kvkit": best(ks), "llama_cpp": best(ls)}
+            if bs:
+                row["baseline"] = best(bs)
+            rows.append(row)
+            k, l = row["kvkit"], row["llama_cpp"]
             print(f"ctx {len(ids)} T{t}: kvkit decode {k['decode_tps']:.1f} prefill "
                   f"{k['prefill_tps']:.1f} | llama.cpp decode {l['decode_tps']:.1f} prefill "
-                  f"{l['prefill_tps']:.1f}", file=sys.stderr)
-    print("| prompt tokens | threads | kvkit decode tok/s | llama.cpp decode tok/s | ratio | "
+                  f"{l['prefill_tps']:.1f}" + (f" | baseline decode {row['baseline']['decode_tps']:.1f}"
+                                               if bs else ""), file=sys.stderr)
+    base = bool(a.baseline_cli)
+    print("| prompt tokens | threads | kvkit decode tok/s | llama.cpp decode tok/s | ratio | " +
+          ("baseline kvkit decode tok/s | after / before | " if base else "") +
           "kvkit prefill tok/s | llama.cpp prefill tok/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|" + ("---|---|" if base else "") + "---|---|---|")
     for r in rows:
         k, l = r["kvkit"], r["llama_cpp"]
+        extra = ""
+        if base:
+            b = r["baseline"]
+            extra = f"{b['decode_tps']:.1f} | {k['decode_tps'] / b['decode_tps']:.2f} | "
         print(f"| {r['context']} | {r['threads']} | {k['decode_tps']:.1f} | {l['decode_tps']:.1f} | "
-              f"{k['decode_tps'] / l['decode_tps']:.2f} | {k['prefill_tps']:.1f} | "
+              f"{k['decode_tps'] / l['decode_tps']:.2f} | {extra}{k['prefill_tps']:.1f} | "
               f"{l['prefill_tps']:.1f} | {k['prefill_tps'] / l['prefill_tps']:.2f} |")
     if a.json:
         print(json.dumps(rows, indent=1))

@@ -195,7 +195,7 @@ void add_engine_options(CLI::App& cmd, Options& o, bool prompts = true) {
   cmd.add_option("--num-pages", o.num_pages, "pages in the KV pool (default: batch x ceil(seq_len / page size))")
       ->type_name("N")
       ->check(int_in(1, int_max));
-  cmd.add_option("--threads", o.threads, "threads of the KV kernels and of batched prefill, 1 to " + std::to_string(kMaxThreads) + " (default 1)")
+  cmd.add_option("--threads", o.threads, "threads of the projections, the KV kernels and batched prefill (a thread pool), 1 to " + std::to_string(kMaxThreads) + " (default 1)")
       ->type_name("T")
       ->check(int_in(1, kMaxThreads));
   cmd.add_option("--layout", o.layout, "page layout: nhd or hnd (default nhd)")

@@ -1,15 +1,19 @@
 // kvkit's SmolLM2-135M-Instruct against llama.cpp on the same GGUF file: teacher-forced on
 // llama.cpp's greedy continuations of five ChatML prompts x 128 tokens
 // (tests/fixtures/smollm2_greedy.json, recorded by scripts/record-greedy-fixtures.py),
-// kvkit's top-1 is compared with llama.cpp's at each of the 640 positions. llama.cpp
-// quantizes activations to 8 bits for its Q4_1 / Q8_0 dot products and keeps K/V in f16,
-// while kvkit computes in float32 from dequantized weights, so near-ties may flip; after a
-// flip both keep following llama.cpp's tokens (teacher forcing), so one flip costs one
-// position. Measured: 622 / 640 = 97.2 % agree (the goal is 98 %), and every flip
-// is a near-tie: kvkit's lead over llama.cpp's token and llama.cpp's own top-1 margin are
-// both below 0.5 logits. The test requires >= 96 % and near-tie flips only, so a real
-// divergence (RoPE, norm, template) fails it. The prompts' token ids must match kvkit's
-// tokenizer + ChatML template exactly. Skips with a message without the model file.
+// kvkit's top-1 is compared with llama.cpp's at each of the 640 positions. Decode runs on
+// the file's quantized blocks with 8-bit activations as llama.cpp's CPU backend does (q8_1
+// blocks for Q4_1, q8_0 for Q8_0: engine/quant_matvec.hpp); llama.cpp also keeps K/V in f16
+// and rounds queries and attention weights to f16, and sums in other orders, so near-ties
+// may still flip; after a flip both keep following llama.cpp's tokens (teacher forcing), so
+// one flip costs one position. Measured: 621 / 640 = 97.0 % agree with the portable build
+// of this test, 625 / 640 = 97.7 % built with -march=native (AVX-512 VNNI path), 622 / 640
+// with the float path (dequantized weights, float activations); the goal is 98 %.
+// Every flip is a near-tie: kvkit's lead over llama.cpp's token and llama.cpp's own top-1
+// margin are both below 0.5 logits. The test requires >= 96.5 % and near-tie flips only, so
+// a real divergence (RoPE, norm, template, a quantized kernel) fails it. The prompts' token
+// ids must match kvkit's tokenizer + ChatML template exactly. Skips with a message without
+// the model file.
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -96,7 +100,7 @@ TEST_CASE("SmolLM2: kvkit's top-1 agrees with llama.cpp's greedy continuations",
   }
   WARN("llama.cpp agreement overall " << agree << "/" << total << "; flips: kvkit leads by at most "
                                       << worst_lead << ", llama.cpp's margin at most " << worst_margin);
-  CHECK(agree * 100 >= total * 96);
+  CHECK(agree * 1000 >= total * 965);
   CHECK(worst_lead < 0.5);
   CHECK(worst_margin < 0.5);
 }

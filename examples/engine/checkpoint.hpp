@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,8 @@
 
 namespace kvkit {
 namespace engine {
+
+struct QuantWeights;  // engine/quant_matvec.hpp
 
 /// Model hyper-parameters (the checkpoint header, with the classifier sign decoded).
 struct ModelConfig {
@@ -185,6 +188,12 @@ class Checkpoint {
   const float* rms_final() const { return at(rms_final_); }              // [dim]
   const float* classifier() const { return at(classifier_); }            // [vocab, dim]
 
+  /// The projections (and classifier) in their file's quantized blocks, for decode's
+  /// quantized matrix-vector products (engine/quant_matvec.hpp); null when the checkpoint
+  /// has only float weights (llama2.c files). Shared by copies of the checkpoint.
+  const std::shared_ptr<const QuantWeights>& quantized() const { return quantized_; }
+  void set_quantized(std::shared_ptr<const QuantWeights> q) { quantized_ = std::move(q); }
+
  private:
   std::size_t dim() const { return static_cast<std::size_t>(config_.dim); }
   std::size_t kv() const { return static_cast<std::size_t>(config_.kv_dim()); }
@@ -196,6 +205,7 @@ class Checkpoint {
   ModelConfig config_;
   std::vector<float> weights_;
   std::string source_;
+  std::shared_ptr<const QuantWeights> quantized_;
   std::size_t token_embedding_ = 0, rms_att_ = 0, wq_ = 0, wk_ = 0, wv_ = 0, wo_ = 0;
   std::size_t rms_ffn_ = 0, w1_ = 0, w2_ = 0, w3_ = 0, rms_final_ = 0, classifier_ = 0;
 };

@@ -96,7 +96,8 @@ struct EngineOptions {
   std::int32_t num_pages = 0;                        // 0: max_batch * ceil(seq_len / page_size)
   bool contiguous = false;                           // one seq_len-token page per sequence
   std::uint64_t shuffle_seed = 0;                    // != 0 scatters page ids (BlockAllocator)
-  int threads = 1;                                   // exec::Host threads for the KV kernels
+  int threads = 1;                                   // threads of the projections and KV kernels
+  bool quantized_matvec = true;                      // decode on the checkpoint's quantized blocks
   bool validate_tables = false;                      // validate_page_table() on every step
   std::int64_t max_pool_bytes = 0;                   // K+V pool cap; 0: physical memory
 };
@@ -147,7 +148,7 @@ class Engine {
   /// Builds the pools and allocator; throws kvkit::Error on bad options (value named) and
   /// PoolTooLargeError when the pools exceed max_pool_bytes, before allocating them.
   Engine(std::shared_ptr<const Checkpoint> ckpt, const EngineOptions& options)
-      : model_(ckpt, options.threads), opt_(options) {
+      : model_(ckpt, options.threads, options.quantized_matvec), opt_(options) {
     const ModelConfig& c = model_.config();
     KVKIT_CHECK(opt_.max_batch > 0, "kvkit: max_batch must be > 0, got ", opt_.max_batch);
     if (opt_.contiguous) {

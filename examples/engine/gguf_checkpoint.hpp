@@ -23,6 +23,7 @@
 
 #include "engine/checkpoint.hpp"
 #include "engine/gguf.hpp"
+#include "engine/quant_matvec.hpp"
 #include "kvkit/core/error.hpp"
 
 namespace kvkit {
@@ -94,8 +95,51 @@ inline ModelConfig gguf_llama_config(const GgufFile& g) {
   return c;
 }
 
-/// Loads a GGUF llama model into a Checkpoint, dequantizing every weight to float32.
-/// Throws kvkit::Error naming the tensor for a missing tensor, a shape that disagrees with
+/// The projections and the classifier of a GGUF llama as quantized views into the file
+/// image (no copy; the returned object keeps the image alive), for decode's quantized
+/// matrix-vector products. Null when a matrix has a type without a quantized product
+/// (BF16): the model then runs on the float weights. Shapes must have been checked
+/// (load_gguf_checkpoint does).
+inline std::shared_ptr<const QuantWeights> gguf_quant_weights(const GgufFile& g, const ModelConfig& c) {
+  auto q = std::make_shared<QuantWeights>();
+  const auto file = std::make_shared<const GgufFile>(g);
+  q->owner = file;
+  bool ok = true;
+  auto view = [&](const std::string& name) {
+    const GgufTensorInfo* t = file->tensor(name);
+    KVKIT_CHECK(t != nullptr && t->n_dims == 2, "kvkit: gguf ", g.source(), ": missing matrix '", name, "'");
+    QuantFormat f = QuantFormat::kF32;
+    switch (t->ggml_type()) {
+      case GgmlType::kF32: f = QuantFormat::kF32; break;
+      case GgmlType::kF16: f = QuantFormat::kF16; break;
+      case GgmlType::kQ8_0: f = QuantFormat::kQ8_0; break;
+      case GgmlType::kQ4_0: f = QuantFormat::kQ4_0; break;
+      case GgmlType::kQ4_1: f = QuantFormat::kQ4_1; break;
+      default: ok = false; return QMatrix{};
+    }
+    return QMatrix::make(f, static_cast<std::int32_t>(t->ne[1]), static_cast<std::int32_t>(t->ne[0]),
+                         file->tensor_data(*t), name.c_str());
+  };
+  for (int l = 0; l < c.n_layers; ++l) {
+    auto w = [&](const char* part) { return view(kvkit::detail::concat("blk.", l, ".", part, ".weight")); };
+    QuantLayer L;
+    L.wq = w("attn_q");
+    L.wk = w("attn_k");
+    L.wv = w("attn_v");
+    L.wo = w("attn_output");
+    L.w1 = w("ffn_gate");
+    L.w2 = w("ffn_down");
+    L.w3 = w("ffn_up");
+    q->layers.push_back(L);
+  }
+  q->classifier = view(c.shared_classifier ? "token_embd.weight" : "output.weight");
+  if (!ok) return nullptr;
+  return q;
+}
+
+/// Loads a GGUF llama model into a Checkpoint, dequantizing every weight to float32 (for
+/// batched prefill and the float decode path) and attaching quantized views of the
+/// projections (Checkpoint::quantized(), for decode). Throws kvkit::Error naming the tensor for a missing tensor, a shape that disagrees with
 /// the metadata, or a type without dequantization support.
 inline Checkpoint load_gguf_checkpoint(const GgufFile& g) {
   const ModelConfig c = gguf_llama_config(g);
@@ -150,7 +194,9 @@ inline Checkpoint load_gguf_checkpoint(const GgufFile& g) {
   }
   KVKIT_CHECK(off == w.size(), "kvkit: gguf ", g.source(), ": internal error: filled ", off,
               " of ", w.size(), " weights");
-  return Checkpoint(c, std::move(w), g.source());
+  Checkpoint ck(c, std::move(w), g.source());
+  ck.set_quantized(gguf_quant_weights(g, c));  // decode's quantized products (null: BF16 present)
+  return ck;
 }
 
 /// Opens `path` and loads it (see load_gguf_checkpoint(const GgufFile&)).

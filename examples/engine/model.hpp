@@ -6,11 +6,17 @@
 // the pairs (2i, 2i+1) inside each head, as llama2.c does) -> kvkit::write_kv stores the
 // new k, v at each sequence's slot -> kvkit::paged_decode_attention (GQA, softmax scale
 // 1/sqrt(head_dim)) -> output projection + residual -> RMSNorm -> SwiGLU FFN + residual.
-// Finally RMSNorm and the classifier. The projections are Eigen matrix products over the
-// whole batch (columns = sequences); everything is float32.
+// Finally RMSNorm and the classifier. The projections are matrix-vector products per
+// sequence: on the checkpoint's quantized blocks with 8-bit activations when it has them
+// (GGUF files; engine/quant_matvec.hpp, split over the threads in row chunks fixed by the
+// shape, so results do not depend on the thread count), else Eigen float32 products.
 //
 // The caller (Engine) owns the KV memory and the page tables; the model only sees one
 // PagedKVView per layer whose page table already includes the new token.
+
+// First: simd.hpp (through quant_matvec.hpp) includes <immintrin.h> with GCC 12's false
+// AVX-512 "uninitialized" warnings silenced, which only works if nobody (Eigen) included it before.
+#include "engine/quant_matvec.hpp"
 
 #include <Eigen/Dense>
 #include <algorithm>
@@ -24,6 +30,7 @@
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/core/thread_pool.hpp"
 #include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/cpu.hpp"
 #include "kvkit/kernels/params.hpp"
@@ -75,13 +82,22 @@ class Model {
   static constexpr float kRmsEps = 1e-5f;
   static constexpr double kRopeTheta = 10000.0;
 
-  /// Shares the checkpoint (many engines may run one model). `threads` is passed to
-  /// kvkit::exec::Host for the KV kernels.
-  explicit Model(std::shared_ptr<const Checkpoint> ckpt, int threads = 1)
+  /// Shares the checkpoint (many engines may run one model). `threads` > 1 starts a
+  /// kvkit::ThreadPool that runs the projections and the KV kernels (exec()). `quantized`
+  /// uses the checkpoint's quantized weights for the projections when it has them.
+  explicit Model(std::shared_ptr<const Checkpoint> ckpt, int threads = 1, bool quantized = true)
       : ck_(std::move(ckpt)), threads_(threads) {
     KVKIT_CHECK(ck_ != nullptr, "kvkit: Model needs a checkpoint");
     const ModelConfig& c = ck_->config();
     validate_config(c, ck_->source());
+    if (quantized && ck_->quantized()) {
+      quant_ = ck_->quantized().get();
+      KVKIT_CHECK(static_cast<int>(quant_->layers.size()) == c.n_layers && c.dim % 32 == 0 &&
+                      c.hidden_dim % 32 == 0,
+                  "kvkit: checkpoint ", ck_->source(), ": quantized weights do not match the config");
+      qa_.resize(static_cast<std::size_t>(std::max(c.dim, c.hidden_dim) / 32));
+    }
+    if (threads_ > 1) pool_ = std::make_shared<ThreadPool>(threads_);
     const int half = c.head_dim() / 2;
     rope_cos_.resize(static_cast<std::size_t>(c.seq_len) * half);
     rope_sin_.resize(rope_cos_.size());
@@ -98,7 +114,13 @@ class Model {
   const ModelConfig& config() const { return ck_->config(); }
   const Checkpoint& checkpoint() const { return *ck_; }
   std::shared_ptr<const Checkpoint> checkpoint_ptr() const { return ck_; }
-  exec::Host exec() const { return exec::Host{threads_}; }
+  /// The host executor of the projections and KV kernels: threads() tasks on the model's
+  /// pool (no pool: one thread).
+  exec::Host exec() const {
+    return pool_ ? exec::Host{threads_, pool_->executor()} : exec::Host{threads_};
+  }
+  /// Whether forward() runs the projections on quantized weights.
+  bool quantized() const { return quant_ != nullptr; }
   DecodeAttentionParams attention_params() const {
     return DecodeAttentionParams{config().n_heads,
                                  1.f / std::sqrt(static_cast<float>(config().head_dim()))};
@@ -147,10 +169,19 @@ class Model {
                          view.head_dim, ") does not match the step (batch ", B, ", kv heads ",
                          c.n_kv_heads, ", head_dim ", hd, ")");
       M q(q_[static_cast<std::size_t>(l)].data(), dim, B);
+      const QuantLayer* ql = quant_ ? &quant_->layers[static_cast<std::size_t>(l)] : nullptr;
       rmsnorm(x, ck_->rms_att(l), xb);
-      matvec(W(ck_->wq(l), dim, dim), xb, q);
-      matvec(W(ck_->wk(l), kv, dim), xb, k);
-      matvec(W(ck_->wv(l), kv, dim), xb, v);
+      if (ql) {
+        for (std::int32_t b = 0; b < B; ++b) {
+          const QMatvecOut o[3] = {{&ql->wq, q.col(b).data()}, {&ql->wk, k.col(b).data()},
+                                   {&ql->wv, v.col(b).data()}};
+          qmatvec(xb.col(b).data(), dim, o, 3);
+        }
+      } else {
+        matvec(W(ck_->wq(l), dim, dim), xb, q);
+        matvec(W(ck_->wk(l), kv, dim), xb, k);
+        matvec(W(ck_->wv(l), kv, dim), xb, v);
+      }
       for (std::int32_t b = 0; b < B; ++b) {
         rope(q.col(b).data(), c.n_heads, in.positions[b]);
         rope(k.col(b).data(), c.n_kv_heads, in.positions[b]);
@@ -177,18 +208,46 @@ class Model {
       } else {
         KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q.data(), att.data(), ap, ws));
       }
-      matvec(W(ck_->wo(l), dim, dim), att, xb);
+      if (ql) {
+        for (std::int32_t b = 0; b < B; ++b) {
+          const QMatvecOut o{&ql->wo, xb.col(b).data()};
+          qmatvec(att.col(b).data(), dim, &o, 1);
+        }
+      } else {
+        matvec(W(ck_->wo(l), dim, dim), att, xb);
+      }
       x += xb;
       rmsnorm(x, ck_->rms_ffn(l), xb);
-      matvec(W(ck_->w1(l), hid, dim), xb, h1);
-      matvec(W(ck_->w3(l), hid, dim), xb, h3);
+      if (ql) {
+        for (std::int32_t b = 0; b < B; ++b) {
+          const QMatvecOut o[2] = {{&ql->w1, h1.col(b).data()}, {&ql->w3, h3.col(b).data()}};
+          qmatvec(xb.col(b).data(), dim, o, 2);
+        }
+      } else {
+        matvec(W(ck_->w1(l), hid, dim), xb, h1);
+        matvec(W(ck_->w3(l), hid, dim), xb, h3);
+      }
       h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
-      matvec(W(ck_->w2(l), dim, hid), h1, xb);
+      if (ql) {
+        for (std::int32_t b = 0; b < B; ++b) {
+          const QMatvecOut o{&ql->w2, xb.col(b).data()};
+          qmatvec(h1.col(b).data(), hid, &o, 1);
+        }
+      } else {
+        matvec(W(ck_->w2(l), dim, hid), h1, xb);
+      }
       x += xb;
     }
     rmsnorm(x, ck_->rms_final(), xb);
     M out(logits, c.vocab_size, B);
-    matvec(W(ck_->classifier(), c.vocab_size, dim), xb, out);
+    if (quant_) {
+      for (std::int32_t b = 0; b < B; ++b) {
+        const QMatvecOut o{&quant_->classifier, out.col(b).data()};
+        qmatvec(xb.col(b).data(), dim, &o, 1);
+      }
+    } else {
+      matvec(W(ck_->classifier(), c.vocab_size, dim), xb, out);
+    }
     return Status::ok();
   }
 
@@ -248,9 +307,18 @@ class Model {
     for (Eigen::Index b = 0; b < x.cols(); ++b) y.col(b).noalias() = w * x.col(b);
   }
 
+  // Quantizes x [n] once and runs the k products sharing it as one job on the pool.
+  void qmatvec(const float* x /* [n] */, std::int32_t n, const QMatvecOut* outs /* [k] */, int k) {
+    quantize_activation(x, n, qa_.data());
+    quant_matvec(exec(), outs, k, QActivation{x, qa_.data(), n});
+  }
+
 
   std::shared_ptr<const Checkpoint> ck_;
   int threads_ = 1;
+  std::shared_ptr<ThreadPool> pool_;      // threads_ > 1: runs projections and KV kernels
+  const QuantWeights* quant_ = nullptr;   // the checkpoint's quantized projections, or null
+  std::vector<Q8Act> qa_;                 // [max(dim, hidden) / 32] quantized activation
   std::vector<float> rope_cos_, rope_sin_;  // [seq_len, head_dim / 2]
   std::int32_t capacity_ = 0, last_batch_ = 0;
   std::vector<float> x_, xb_, att_, k_, v_, h1_, h3_;  // [batch, width] each
