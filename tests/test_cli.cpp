@@ -2,8 +2,6 @@
 // and check its output against the example engine run in-process with the same options.
 // JSON output is read with nlohmann/json (the tests share no code with the CLI).
 
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -18,6 +16,7 @@
 #include <vector>
 
 #include "engine/checkpoint.hpp"
+#include "cli_runner.hpp"
 #include "engine_runs.hpp"
 #include "engine/engine.hpp"
 #include "engine/gguf.hpp"
@@ -27,7 +26,12 @@
 
 using namespace kvkit;
 using namespace kvkit::engine;
+using kvkit::test::CliResult;
+using kvkit::test::run_cli;
 using kvkit::test::run_engine;
+using kvkit::test::run_json;
+using kvkit::test::slurp;
+using kvkit::test::TempDir;
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
@@ -36,26 +40,10 @@ namespace {
 const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
 const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-// A fresh per-test temporary folder, removed at the end of the scope.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag) {
-    path = fs::temp_directory_path() / ("kvkit_test_cli_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
 std::shared_ptr<const Checkpoint> synthetic() {
   static const auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
   return ck;
 }
-
 
 using Tokens = std::vector<std::int32_t>;
 
@@ -65,40 +53,6 @@ std::vector<Tokens> all_tokens(const Json& j) {
   std::vector<Tokens> v;
   for (const Json& s : j.at("sequences")) v.push_back(tokens_of(s));
   return v;
-}
-
-struct CliResult {
-  int code = -1;
-  std::string out, err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// Runs the built `kvkit` binary with `args` (already shell-quoted where needed).
-CliResult run_cli(const std::string& args) {
-  static int counter = 0;
-  TempDir tmp("run" + std::to_string(counter++));
-  const std::string out = tmp.file("out.txt"), err = tmp.file("err.txt");
-  const std::string cmd = std::string("'") + KVKIT_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int status = std::system(cmd.c_str());
-  CliResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
-
-// Runs a command expected to succeed with --json and parses its one JSON object.
-Json run_json(const std::string& args) {
-  const CliResult r = run_cli(args);
-  INFO("kvkit " << args << "\nstderr: " << r.err);
-  REQUIRE(r.code == 0);
-  return Json::parse(r.out);  // throws on anything but exactly one JSON value
 }
 
 // Every key path of `j` ("a", "a.b", "a[].c" for arrays of objects), i.e. its schema.

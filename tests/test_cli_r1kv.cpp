@@ -2,8 +2,6 @@
 // files written here and check the kept slots against the library's Compressor<R1KV> on
 // the same data, the compressed K/V rows bit for bit, and the error exits.
 
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -15,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_runner.hpp"
 #include "engine/npy.hpp"
 #include "kvkit/compressor/r1kv.hpp"
 
@@ -23,37 +22,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag) {
-    path = fs::temp_directory_path() / ("kvkit_test_cli_r1kv_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+using kvkit::test::CliResult;
+using kvkit::test::TempDir;
 
-struct CliResult {
-  int code = -1;
-  std::string err;
-};
-
-CliResult run_r1kv(const TempDir& dir, const std::string& args) {
-  const std::string err = dir.file("err.txt");
-  const std::string cmd = std::string("'") + KVKIT_CLI_PATH + "' r1kv " + args + " >/dev/null 2>'" + err + "'";
-  const int status = std::system(cmd.c_str());
-  CliResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+// Runs `kvkit r1kv <args>`: the exit code, stdout and stderr.
+CliResult run_r1kv(const TempDir&, const std::string& args) { return kvkit::test::run_cli("r1kv " + args); }
 
 // Random data with planted near-duplicate keys (so redundancy matters), never all zero.
 template <class T>

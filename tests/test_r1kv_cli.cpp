@@ -3,60 +3,24 @@
 // JSON: the policy's counters (compressions, pages_freed, tokens_dropped) where the
 // cadence makes them exact, the fidelity fields, and the usage errors.
 
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
+
+#include "cli_runner.hpp"
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
+using kvkit::test::CliResult;
+using kvkit::test::run_cli;
+using kvkit::test::run_json;
 
 namespace {
 
 const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
 const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-struct CliResult {
-  int code = -1;
-  std::string out, err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-CliResult run_cli(const std::string& args) {
-  static int counter = 0;
-  const fs::path dir = fs::temp_directory_path() /
-                       ("kvkit_test_r1kv_cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-  fs::create_directories(dir);
-  const std::string cmd = std::string("'") + KVKIT_CLI_PATH + "' " + args + " >'" + (dir / "out").string() +
-                          "' 2>'" + (dir / "err").string() + "'";
-  const int status = std::system(cmd.c_str());
-  CliResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(dir / "out");
-  r.err = slurp(dir / "err");
-  fs::remove_all(dir);
-  return r;
-}
-
-Json run_json(const std::string& args) {
-  const CliResult r = run_cli(args);
-  INFO("kvkit " << args << "\nstderr: " << r.err);
-  REQUIRE(r.code == 0);
-  return Json::parse(r.out);
-}
 
 // stories260K when present, else the CLI's synthetic model (same shape).
 std::string model_arg() {
