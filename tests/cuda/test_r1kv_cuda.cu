@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cuda_test_util.cuh"
+#include "r1kv_reference.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
@@ -37,75 +38,7 @@ namespace cp = kvkit::compressor;
 
 namespace {
 
-enum class Kind { kR1KV, kSnapKV, kStreaming };
-
-/// Float64 scores Z[j], j < S - w, of one head (the spec's formulas, written plainly).
-/// keys: [S, D]; queries: [G, Lq, D] (this head's query heads).
-std::vector<double> ref_scores(const std::vector<double>& keys, const std::vector<double>& queries,
-                               int s, int dim, int groups, int lq, const cp::Params& p, Kind kind) {
-  const int w = p.window, nc = s - w, rows = std::min(w, lq);
-  std::vector<double> imp(nc, 0.0), red(s, 0.0), z(nc);
-  if (kind != Kind::kStreaming) {
-    std::vector<double> a(nc, 0.0), l(nc);
-    for (int r = 0; r < rows; ++r) {
-      for (int j = 0; j < nc; ++j) {
-        double best = -1e300;
-        for (int g = 0; g < groups; ++g) {
-          double dot = 0;
-          for (int d = 0; d < dim; ++d)
-            dot += queries[(static_cast<std::size_t>(g) * lq + (lq - rows + r)) * dim + d] *
-                   keys[static_cast<std::size_t>(j) * dim + d];
-          best = std::max(best, dot);
-        }
-        l[j] = best / std::sqrt(static_cast<double>(dim));
-      }
-      const double mx = *std::max_element(l.begin(), l.end());
-      double sum = 0;
-      for (double& x : l) sum += (x = std::exp(x - mx));
-      for (int j = 0; j < nc; ++j) a[j] += l[j] / sum / rows;
-    }
-    const int half = p.kernel / 2;
-    for (int j = 0; j < nc; ++j) {
-      double m = -1e300;
-      for (int t = std::max(0, j - half); t <= std::min(nc - 1, j + half); ++t) m = std::max(m, a[t]);
-      imp[j] = m;
-    }
-  }
-  if (kind == Kind::kR1KV) {
-    std::vector<double> n(keys.size());
-    for (int i = 0; i < s; ++i) {
-      double nrm = 0;
-      for (int d = 0; d < dim; ++d) nrm += keys[i * dim + d] * keys[i * dim + d];
-      for (int d = 0; d < dim; ++d) n[i * dim + d] = keys[i * dim + d] / (std::sqrt(nrm) + 1e-8);
-    }
-    std::vector<double> m(s, 0.0), row(s);
-    for (int i = 0; i < s; ++i) {
-      int r = 0;
-      for (int j = 0; j < s; ++j) {
-        double dot = 0;
-        for (int d = 0; d < dim; ++d) dot += n[i * dim + d] * n[j * dim + d];
-        row[j] = i == j ? 0.0 : dot;
-        if (row[j] > p.similarity_threshold) r = j;
-      }
-      row[r] = 0.0;
-      for (int j = 0; j < s; ++j) m[j] += row[j];
-    }
-    for (double& x : m) x /= s;
-    const double mx = *std::max_element(m.begin(), m.end());
-    double sum = 0;
-    for (double& x : m) sum += (x = std::exp(x - mx));
-    for (int j = 0; j < s; ++j) red[j] = m[j] / sum;
-  }
-  for (int j = 0; j < nc; ++j) {
-    if (kind == Kind::kR1KV)
-      z[j] = static_cast<double>(p.lambda) * imp[j] - (1.0 - static_cast<double>(p.lambda)) * red[j];
-    else if (kind == Kind::kSnapKV)
-      z[j] = imp[j];
-    else
-      z[j] = j < p.sinks ? 2.0 : static_cast<double>(j) / s;
-  }
-  return z;
-}
+using kvkit::test::Kind;
 
 /// Keys [Hkv, S, D]: normal entries; about a quarter of the slots copy an earlier slot of
 /// the same head plus 5% noise (planted near-duplicates). identical: every key the same.
@@ -190,9 +123,10 @@ void compare(Kind kind, const cp::Params& p, const Case& c, std::mt19937_64& rng
     REQUIRE(c.s >= p.budget);
     const std::size_t kn = static_cast<std::size_t>(c.s) * c.dim;
     const std::size_t qn = static_cast<std::size_t>(c.groups) * c.lq * c.dim;
-    const auto z = ref_scores(to_doubles(keys.data() + h * kn, kn),
-                              to_doubles(queries.data() + h * qn, qn), c.s, c.dim, c.groups, c.lq, p,
-                              kind);
+    const auto z = kvkit::test::ref_head(to_doubles(keys.data() + h * kn, kn),
+                                         to_doubles(queries.data() + h * qn, qn), c.s, c.dim, c.groups,
+                                         c.lq, p, kind)
+                       .z;
     double zmax = 0;
     for (double x : z) zmax = std::max(zmax, std::abs(x));
     const double tol = 1e-6 * zmax + 1e-15;
