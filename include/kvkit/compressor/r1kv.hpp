@@ -59,22 +59,14 @@
 #include "kvkit/core/workspace.hpp"
 #include "kvkit/kernels/cpu/checks.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
+#include "kvkit/kernels/cpu/simd.hpp"  // the ISA choice and <immintrin.h> (warnings silenced there)
 
-// The r(i) scan's int8 cosine filter (detail::redundancy) needs AVX-512 VNNI; elsewhere the
-// scan computes every cosine in float (same kept sets). KVKIT_SIMD_PORTABLE turns it off.
-#if !defined(KVKIT_SIMD_PORTABLE) && !defined(__CUDA_ARCH__) && \
-    (defined(__GNUC__) || defined(__clang__)) && defined(__AVX512F__) && \
+// The r(i) scan's int8 cosine filter (detail::redundancy) needs AVX-512 VNNI on top of
+// simd.hpp's AVX-512 path; elsewhere the scan computes every cosine in float (same kept
+// sets). KVKIT_SIMD_PORTABLE turns it off (simd.hpp then picks no vector path).
+#if defined(KVKIT_SIMD_AVX512) && (defined(__GNUC__) || defined(__clang__)) && \
     defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVKIT_R1KV_VNNI 1
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 #endif
 
 namespace kvkit {
