@@ -96,6 +96,22 @@ std::vector<float> random_activation(int n, std::mt19937_64& rng) {
   return x;
 }
 
+// Weight value j of one block before scaling (Q8_0: w; Q4_0: nibble - 8; Q4_1: nibble).
+int block_weight(QuantFormat f, const unsigned char* p, int j) {
+  if (f == QuantFormat::kQ8_0) return static_cast<std::int8_t>(p[2 + j]);
+  const unsigned char* qs = p + (f == QuantFormat::kQ4_0 ? 2 : 4);
+  const int n = j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4);
+  return f == QuantFormat::kQ4_0 ? n - 8 : n;
+}
+
+// sum_j |w_j q_j|: bounds every partial sum a SIMD path forms (lanes can cancel, so the
+// signed total alone does not bound their rounding).
+std::int64_t block_abs_dot(QuantFormat f, const unsigned char* p, const Q8Act& a) {
+  std::int64_t s = 0;
+  for (int j = 0; j < 32; ++j) s += std::abs(static_cast<std::int64_t>(block_weight(f, p, j)) * a.q[j]);
+  return s;
+}
+
 const QuantFormat kAll[] = {QuantFormat::kQ8_0, QuantFormat::kQ4_0, QuantFormat::kQ4_1,
                             QuantFormat::kF32, QuantFormat::kF16};
 
@@ -149,16 +165,7 @@ TEST_CASE("block_dot_int: exact integer dot of every block format", "[quant]") {
       const unsigned char* p = w.data() + static_cast<std::size_t>(b) * quant_block_bytes(f);
       const Q8Act& a = q[static_cast<std::size_t>(b)];
       std::int64_t ref = 0;
-      for (int j = 0; j < 32; ++j) {
-        int wj;
-        if (f == QuantFormat::kQ8_0) wj = static_cast<std::int8_t>(p[2 + j]);
-        else {
-          const unsigned char* qs = p + (f == QuantFormat::kQ4_0 ? 2 : 4);
-          wj = j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4);
-          if (f == QuantFormat::kQ4_0) wj -= 8;
-        }
-        ref += static_cast<std::int64_t>(wj) * a.q[j];
-      }
+      for (int j = 0; j < 32; ++j) ref += static_cast<std::int64_t>(block_weight(f, p, j)) * a.q[j];
       REQUIRE(block_dot_int(f, p, a) == ref);
     }
   }
@@ -198,9 +205,8 @@ TEST_CASE("row_dot: every format against float64 (formula and dequantized weight
         for (int b = 0; b < cols / 32; ++b, p += quant_block_bytes(f)) {
           const Q8Act& ab = q[static_cast<std::size_t>(b)];
           const double dw = kvkit::detail::half_bits_to_float(static_cast<std::uint16_t>(p[0] | p[1] << 8));
-          const double t = dw * ab.d * block_dot_int(f, p, ab);
-          ref += t;
-          mag += std::abs(t);
+          ref += dw * ab.d * block_dot_int(f, p, ab);
+          mag += std::abs(dw * ab.d) * static_cast<double>(block_abs_dot(f, p, ab));
           if (f == QuantFormat::kQ4_1) {
             const double mw = kvkit::detail::half_bits_to_float(static_cast<std::uint16_t>(p[2] | p[3] << 8));
             ref += mw * ab.s;
