@@ -13,33 +13,13 @@
 #include <vector>
 
 #include "kvkit/core/error.hpp"
+#include "kvkit/core/logits.hpp"
 
 namespace kvkit {
 namespace engine {
 
-/// KL(softmax(full) || softmax(policy)) in nats, float64, over n logits.
-inline double kl_from_logits(const float* full,    // [n]
-                             const float* policy,  // [n]
-                             std::int32_t n) {
-  KVKIT_CHECK(n > 0, "kvkit: kl_from_logits needs n > 0, got ", n);
-  double mf = full[0], mp = policy[0];
-  for (std::int32_t i = 1; i < n; ++i) {
-    mf = std::max<double>(mf, full[i]);
-    mp = std::max<double>(mp, policy[i]);
-  }
-  double zf = 0, zp = 0;
-  for (std::int32_t i = 0; i < n; ++i) {
-    zf += std::exp(full[i] - mf);
-    zp += std::exp(policy[i] - mp);
-  }
-  const double lzf = std::log(zf) + mf, lzp = std::log(zp) + mp;
-  double kl = 0;
-  for (std::int32_t i = 0; i < n; ++i) {
-    const double lf = full[i] - lzf, lp = policy[i] - lzp;
-    kl += std::exp(lf) * (lf - lp);
-  }
-  return std::max(0.0, kl);  // rounding can give -1e-17 for equal inputs
-}
+/// KL(softmax(full) || softmax(policy)) in nats, float64 (kvkit/core/logits.hpp).
+using kvkit::kl_from_logits;
 
 /// Index of the largest logit, lowest index on ties (the engine's greedy rule).
 inline std::int32_t argmax_logit(const float* x,  // [n]

@@ -40,6 +40,7 @@
 
 #include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
+#include "kvkit/core/logits.hpp"
 
 namespace kvkit {
 namespace channel {
@@ -194,23 +195,7 @@ inline FidelityMetrics compare_logits(const float* baseline,  // [vocab]
                                       std::int32_t vocab, const FidelityThresholds& th) {
   KVKIT_CHECK(vocab >= 2, "kvchan: compare_logits needs a vocabulary of >= 2, got ", vocab);
   FidelityMetrics m;
-  double mb = baseline[0], mp = policy[0];
-  for (std::int32_t i = 1; i < vocab; ++i) {
-    mb = std::max<double>(mb, baseline[i]);
-    mp = std::max<double>(mp, policy[i]);
-  }
-  double zb = 0, zp = 0;
-  for (std::int32_t i = 0; i < vocab; ++i) {
-    zb += std::exp(baseline[i] - mb);
-    zp += std::exp(policy[i] - mp);
-  }
-  const double lzb = std::log(zb) + mb, lzp = std::log(zp) + mp;
-  double kl = 0;
-  for (std::int32_t i = 0; i < vocab; ++i) {
-    const double lb = baseline[i] - lzb, lp = policy[i] - lzp;
-    kl += std::exp(lb) * (lb - lp);
-  }
-  m.kl = std::max(0.0, kl);
+  m.kl = kl_from_logits(baseline, policy, vocab);
   const std::int32_t k = std::min(th.top_k, vocab);
   const std::int32_t k2 = std::max<std::int32_t>(k, 2);  // the margin needs the top two
   auto top = [&](const float* x) {
