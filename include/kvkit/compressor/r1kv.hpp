@@ -131,6 +131,18 @@ struct R1KV {
 
 namespace detail {
 
+/// The scalar tail [d, dim) of dot4 added to the 4 reduced sums r, written to out.
+inline void dot4_tail(const float* a0, const float* a1, const float* a2, const float* a3,  // [D] each
+                      const float* b, std::int32_t d, std::int32_t dim, float r[4], float out[4]) {
+  for (; d < dim; ++d) {
+    r[0] += a0[d] * b[d];
+    r[1] += a1[d] * b[d];
+    r[2] += a2[d] * b[d];
+    r[3] += a3[d] * b[d];
+  }
+  for (int i = 0; i < 4; ++i) out[i] = r[i];
+}
+
 /// Four dot products <a_r, b> over D floats: each load of b serves four rows. Eight
 /// independent lanes per row (GCC/Clang vector extensions, plain arrays elsewhere) so the
 /// loop vectorises without -ffast-math; lanes are summed in a fixed order (reduce8), so
@@ -197,13 +209,7 @@ inline void dot4(const float* a0, const float* a1, const float* a2, const float*
   const F8 z = {};
   float r[8];
   reduce8(s0, z, s1, z, s2, z, s3, z, r);  // r[0..4) = rows 0..3
-  for (; d < dim; ++d) {
-    r[0] += a0[d] * b[d];
-    r[1] += a1[d] * b[d];
-    r[2] += a2[d] * b[d];
-    r[3] += a3[d] * b[d];
-  }
-  for (int i = 0; i < 4; ++i) out[i] = r[i];
+  dot4_tail(a0, a1, a2, a3, b, d, dim, r, out);
 }
 /// dot4 against two columns b0 and b1 at once (8 accumulators, 6 loads per 8 FMAs); the
 /// same per-lane arithmetic and reduction order as dot4, so results equal two dot4 calls.
@@ -291,13 +297,7 @@ inline void dot4(const float* a0, const float* a1, const float* a2, const float*
     r[2] += s2[l];
     r[3] += s3[l];
   }
-  for (; d < dim; ++d) {
-    r[0] += a0[d] * b[d];
-    r[1] += a1[d] * b[d];
-    r[2] += a2[d] * b[d];
-    r[3] += a3[d] * b[d];
-  }
-  for (int i = 0; i < 4; ++i) out[i] = r[i];
+  dot4_tail(a0, a1, a2, a3, b, d, dim, r, out);
 }
 inline void dot4x2(const float* a0, const float* a1, const float* a2, const float* a3,  // [D] each
                    const float* b0, const float* b1,                                  // [D] each
