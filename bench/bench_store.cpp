@@ -1,6 +1,6 @@
 // bench_store: RedisBackend load (GET) and save (SET) of 2048 blocks of 16 KiB and of
 // 64 KiB on one connection to a private redis-server this program starts on a free
-// loopback port, against, in the same run:
+// loopback port and a unix socket (cases .../tcp and .../unix), against, in the same run:
 //   - one GET (SET) per key, each waiting for its reply: the PikiwiDB seed's access pattern
 //     (RedisBackend::get_unpipelined / a window of one command), timed alternately with the
 //     pipelined call inside every iteration;
@@ -11,6 +11,10 @@
 // time / pipelined time), redis_benchmark_GB_s and vs_redis_benchmark (= GB_s /
 // redis_benchmark_GB_s), client_cpu_ms_per_GB (this thread's CPU time of the pipelined calls
 // per GB moved: what the client itself costs, whatever else runs on the machine).
+// The server's own ceiling, from redis-benchmark on the same transport: rb_P1_GB_s (its
+// one-command-per-round-trip rate), rb_best_GB_s (the best of -P 32 / 64 / 256), and
+// ceiling_vs_one_per_key = rb_best_GB_s / one_per_key_GB_s: the vs_one_per_key that a client
+// moving data as fast as redis-benchmark's best would reach.
 // Goals (issue 18): vs_redis_benchmark >= 1.0 for load; vs_one_per_key >= 6 at 16 KiB and
 // >= 3 at 64 KiB. Every load is checked byte for byte once.
 // Flags: --kvkit_small (64 blocks: a smoke run), --kvkit_no_redis_benchmark; environment:
@@ -19,6 +23,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +31,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -72,20 +78,24 @@ Data& data(std::size_t size) {
 }
 
 // redis-benchmark's requests/s for SET and GET of `size`-byte values, one connection,
-// pipeline 32 (0 when it could not run).
+// pipeline `depth` (0 when it could not run).
 struct RbResult {
   double set_rps = 0, get_rps = 0;
 };
 
-RbResult redis_benchmark(std::size_t size) {
-  static std::map<std::size_t, RbResult> cache;
-  auto it = cache.find(size);
+RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth) {
+  static std::map<std::tuple<std::size_t, bool, int>, RbResult> cache;
+  const auto id = std::make_tuple(size, unix_socket, depth);
+  auto it = cache.find(id);
   if (it != cache.end()) return it->second;
   RbResult r;
   if (!g_no_rb) {
-    const std::size_t n = g_small ? 2000 : (size <= 16384 ? 40000 : 16000);
-    const std::string cmd = "redis-benchmark -h 127.0.0.1 -p " + std::to_string(server().port()) +
-                            " -P 32 -c 1 -d " + std::to_string(size) + " -n " + std::to_string(n) +
+    std::size_t n = g_small ? 2000 : (size <= 16384 ? 40000 : 16000);
+    if (depth == 1) n /= 4;  // one round trip each
+    const std::string where = unix_socket ? "-s " + server().unix_path()
+                                          : "-h 127.0.0.1 -p " + std::to_string(server().port());
+    const std::string cmd = "redis-benchmark " + where + " -P " + std::to_string(depth) +
+                            " -c 1 -d " + std::to_string(size) + " -n " + std::to_string(n) +
                             " -t set,get --csv 2>/dev/null";
     if (FILE* p = ::popen(cmd.c_str(), "r")) {
       char line[512];
@@ -97,27 +107,27 @@ RbResult redis_benchmark(std::size_t size) {
       ::pclose(p);
     }
   }
-  cache[size] = r;
+  cache[id] = r;
   return r;
 }
 
-RedisOptions options() {
-  RedisOptions o = server().options();
+RedisOptions options(bool unix_socket) {
+  RedisOptions o = unix_socket ? server().unix_options() : server().options();
   o.batch_deadline = std::chrono::milliseconds(60000);
   o.op_timeout = std::chrono::milliseconds(10000);
   if (const char* w = std::getenv("KVKIT_BENCH_WINDOW_KIB")) o.max_inflight_bytes = std::stoul(w) << 10;
   return o;
 }
 
-void bm_store(benchmark::State& state, bool load, std::size_t size) {
+void bm_store(benchmark::State& state, bool load, std::size_t size, bool unix_socket) {
   if (!server().running()) {
     state.SkipWithError("no redis-server binary on PATH");
     return;
   }
   Data& d = data(size);
   const std::size_t n = d.keys.size();
-  RedisBackend fast(options());
-  RedisOptions one = options();
+  RedisBackend fast(options(unix_socket));
+  RedisOptions one = options(unix_socket);
   one.max_inflight_commands = 1;  // one command per round trip: the seed's pattern
   RedisBackend slow(one);
   std::vector<KeyState> states(n);
@@ -134,7 +144,14 @@ void bm_store(benchmark::State& state, bool load, std::size_t size) {
       return;
     }
   }
-  const RbResult rb = redis_benchmark(size);
+  const RbResult rb = redis_benchmark(size, unix_socket, 32);
+  const RbResult rb1 = redis_benchmark(size, unix_socket, 1);
+  RbResult best;
+  for (int depth : {32, 64, 256}) {
+    const RbResult x = redis_benchmark(size, unix_socket, depth);
+    best.set_rps = std::max(best.set_rps, x.set_rps);
+    best.get_rps = std::max(best.get_rps, x.get_rps);
+  }
   double t_fast = 0, t_slow = 0, cpu_fast = 0;
   std::int64_t iters = 0;
   for (auto _ : state) {
@@ -170,18 +187,28 @@ void bm_store(benchmark::State& state, bool load, std::size_t size) {
     state.counters["redis_benchmark_GB_s"] = rps * static_cast<double>(size) / 1e9;
     state.counters["vs_redis_benchmark"] = (bytes / t_fast) / (rps * static_cast<double>(size));
   }
+  const double rps1 = load ? rb1.get_rps : rb1.set_rps, rps_best = load ? best.get_rps : best.set_rps;
+  if (rps1 > 0) state.counters["rb_P1_GB_s"] = rps1 * static_cast<double>(size) / 1e9;
+  if (rps_best > 0) {
+    state.counters["rb_best_GB_s"] = rps_best * static_cast<double>(size) / 1e9;
+    state.counters["ceiling_vs_one_per_key"] = rps_best * static_cast<double>(size) / (bytes / t_slow);
+  }
 }
 
 void register_all() {
-  for (std::size_t size : {std::size_t{16384}, std::size_t{65536}})
-    for (bool load : {true, false}) {
-      const std::string name = std::string("store/") + (load ? "load" : "save") + "/" +
-                               std::to_string(size / 1024) + "KiB/N" + std::to_string(num_blocks());
-      benchmark::RegisterBenchmark(name.c_str(), [load, size](benchmark::State& s) { bm_store(s, load, size); })
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->MinTime(g_small ? 0.01 : 1.0);
-    }
+  for (bool unix_socket : {false, true})
+    for (std::size_t size : {std::size_t{16384}, std::size_t{65536}})
+      for (bool load : {true, false}) {
+        const std::string name = std::string("store/") + (load ? "load" : "save") + "/" +
+                                 std::to_string(size / 1024) + "KiB/N" +
+                                 std::to_string(num_blocks()) + (unix_socket ? "/unix" : "/tcp");
+        benchmark::RegisterBenchmark(name.c_str(), [load, size, unix_socket](benchmark::State& s) {
+          bm_store(s, load, size, unix_socket);
+        })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(g_small ? 0.01 : 1.0);
+      }
 }
 
 }  // namespace
