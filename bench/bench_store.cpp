@@ -14,11 +14,20 @@
 // The server's own ceiling, from redis-benchmark on the same transport: rb_P1_GB_s (its
 // one-command-per-round-trip rate), rb_best_GB_s (the best of -P 32 / 64 / 256), and
 // ceiling_vs_one_per_key = rb_best_GB_s / one_per_key_GB_s: the vs_one_per_key that a client
-// moving data as fast as redis-benchmark's best would reach.
+// moving data as fast as redis-benchmark's best would reach (redis-benchmark's own client
+// copies each value twice, so at 64 KiB this understates the server).
+// From the server's /proc/PID/schedstat (on-CPU and run-queue-wait nanoseconds):
+// server_cpu_ms_per_GB, server_busy (on-CPU / wall) and server_runq_wait (runnable but
+// waiting for a core / wall: the machine's other load) of the pipelined calls, and per key
+// for both access patterns: us_per_key / one_per_key_us (wall), client_us / one_client_us
+// (this thread's CPU), server_us / one_server_us (the server's CPU). A one-connection
+// pipeline cannot take less than the single-threaded server's CPU time per key, so
+// one_per_key_us / server_us bounds vs_one_per_key from above on this machine.
 // Goals (issue 18): vs_redis_benchmark >= 1.0 for load; vs_one_per_key >= 6 at 16 KiB and
 // >= 3 at 64 KiB. Every load is checked byte for byte once.
 // Flags: --kvkit_small (64 blocks: a smoke run), --kvkit_no_redis_benchmark; environment:
-// KVKIT_BENCH_WINDOW_KIB overrides RedisOptions::max_inflight_bytes (default 1024 KiB).
+// KVKIT_BENCH_WINDOW_KIB overrides RedisOptions::max_inflight_bytes (default 1024 KiB),
+// KVKIT_BENCH_SOCKBUF_KIB sets RedisOptions::socket_buffer_bytes (default 0: the kernel's).
 // Skips (exit 0, a message) when no redis-server is installed.
 
 #include <benchmark/benchmark.h>
@@ -111,11 +120,31 @@ RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth) {
   return r;
 }
 
+// On-CPU and run-queue-wait nanoseconds of a process (0, 0 when unreadable).
+struct Sched {
+  double run_s = 0, wait_s = 0;
+};
+
+Sched schedstat(pid_t pid) {
+  Sched r;
+  const std::string path = "/proc/" + std::to_string(pid) + "/schedstat";
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    unsigned long long run = 0, wait = 0;
+    if (std::fscanf(f, "%llu %llu", &run, &wait) == 2) {
+      r.run_s = static_cast<double>(run) * 1e-9;
+      r.wait_s = static_cast<double>(wait) * 1e-9;
+    }
+    std::fclose(f);
+  }
+  return r;
+}
+
 RedisOptions options(bool unix_socket) {
   RedisOptions o = unix_socket ? server().unix_options() : server().options();
   o.batch_deadline = std::chrono::milliseconds(60000);
   o.op_timeout = std::chrono::milliseconds(10000);
   if (const char* w = std::getenv("KVKIT_BENCH_WINDOW_KIB")) o.max_inflight_bytes = std::stoul(w) << 10;
+  if (const char* b = std::getenv("KVKIT_BENCH_SOCKBUF_KIB")) o.socket_buffer_bytes = std::stoul(b) << 10;
   return o;
 }
 
@@ -152,19 +181,30 @@ void bm_store(benchmark::State& state, bool load, std::size_t size, bool unix_so
     best.set_rps = std::max(best.set_rps, x.set_rps);
     best.get_rps = std::max(best.get_rps, x.get_rps);
   }
-  double t_fast = 0, t_slow = 0, cpu_fast = 0;
+  double t_fast = 0, t_slow = 0, cpu_fast = 0, cpu_slow = 0, srv_run = 0, srv_wait = 0,
+         srv_run_slow = 0;
   std::int64_t iters = 0;
   for (auto _ : state) {
     // Alternate the order so neither call always runs on a warm server.
     for (int k = 0; k < 2; ++k) {
       const bool fast_now = (k == 0) == (iters % 2 == 0);
       RedisBackend& b = fast_now ? fast : slow;
+      const Sched s0 = schedstat(server().pid());
       const double t0 = kvkit::bench::wall_now(), c0 = kvkit::bench::thread_cpu_now();
       const kvkit::Status st = load ? (fast_now ? b.get(d.keys.data(), n, got.data(), states.data())
                                                 : b.get_unpipelined(d.keys.data(), n, got.data(), states.data()))
                                     : b.put(d.keys.data(), d.values.data(), n, states.data());
       const double dt = kvkit::bench::wall_now() - t0;
-      if (fast_now) cpu_fast += kvkit::bench::thread_cpu_now() - c0;
+      const double dc = kvkit::bench::thread_cpu_now() - c0;
+      const Sched s1 = schedstat(server().pid());
+      if (fast_now) {
+        cpu_fast += dc;
+        srv_run += s1.run_s - s0.run_s;
+        srv_wait += s1.wait_s - s0.wait_s;
+      } else {
+        cpu_slow += dc;
+        srv_run_slow += s1.run_s - s0.run_s;
+      }
       if (!st.is_ok()) {
         state.SkipWithError(st.to_string().c_str());
         g_failed = true;
@@ -182,6 +222,18 @@ void bm_store(benchmark::State& state, bool load, std::size_t size, bool unix_so
   state.counters["vs_one_per_key"] = t_slow / t_fast;
   // The client's own CPU per GB (pipelined; insensitive to other processes on the cores).
   state.counters["client_cpu_ms_per_GB"] = cpu_fast * 1e3 / (bytes / 1e9);
+  const double keys = static_cast<double>(n) * static_cast<double>(iters);
+  state.counters["us_per_key"] = t_fast * 1e6 / keys;
+  state.counters["client_us"] = cpu_fast * 1e6 / keys;
+  state.counters["one_per_key_us"] = t_slow * 1e6 / keys;
+  state.counters["one_client_us"] = cpu_slow * 1e6 / keys;
+  if (srv_run > 0) {
+    state.counters["server_cpu_ms_per_GB"] = srv_run * 1e3 / (bytes / 1e9);
+    state.counters["server_busy"] = srv_run / t_fast;
+    state.counters["server_runq_wait"] = srv_wait / t_fast;
+    state.counters["server_us"] = srv_run * 1e6 / keys;
+    state.counters["one_server_us"] = srv_run_slow * 1e6 / keys;
+  }
   const double rps = load ? rb.get_rps : rb.set_rps;
   if (rps > 0) {
     state.counters["redis_benchmark_GB_s"] = rps * static_cast<double>(size) / 1e9;
