@@ -1,7 +1,8 @@
 #pragma once
 // A private redis-server for tests and benchmarks: started on a free loopback port and a
 // unix socket in /tmp (no persistence), optionally with a password or as a lone
-// cluster-enabled node, stopped on destruction. Also find_redis_server() / free_port(). No Catch2 here (bench/ uses it too).
+// cluster-enabled node, stopped on destruction. Also find_redis_server() / free_port(). No
+// Catch2 here (bench/ uses it too).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>

@@ -10,17 +10,18 @@
 // traffic bypasses it, because hiredis 0.14 copies every argument into its output buffer
 // (redisAppendCommandArgv) and every reply value twice (its reader): commands are
 // formatted here as RESP, small parts into one buffer and large values referenced in
-// place, and sent with sendmsg (writev with MSG_NOSIGNAL; a SET value is never copied in user space); replies are
-// parsed here straight from the socket, a large GET value read with readv directly into
-// its destination string (the bytes of the next reply header go to a small side buffer).
+// place, and sent with a gathering sendmsg (a SET value is never copied in user space);
+// replies are parsed here straight from the socket, a large GET value read with readv
+// directly into its destination string (what follows it goes to a small side buffer).
 // hiredis 0.14 only has per-socket-operation timeouts (SO_RCVTIMEO / SO_SNDTIMEO), so the
 // batch deadline is ours: it is checked before each reply, and near the end the socket
 // timeout is lowered to the time left, so a batch returns within its deadline plus at
 // most one socket timeout even when the server stops answering. A connection that failed
 // or timed out mid-pipeline still has replies owed to it, so it is dropped; the next call
 // reconnects (AUTH, SELECT, then a PING health check) within its own deadline.
-// Writes to a closed socket raise SIGPIPE, so connecting sets SIGPIPE to SIG_IGN when it
-// is still SIG_DFL (a process-wide setting, as most servers already have it).
+// Batch writes use MSG_NOSIGNAL; hiredis' own writes (AUTH, SELECT, PING) to a closed
+// socket would raise SIGPIPE, so connecting sets SIGPIPE to SIG_IGN when it is still
+// SIG_DFL (a process-wide setting, as most servers already have it).
 // Client memory is bounded independently of the batch: a 256 KiB read buffer, the
 // formatted command headers of one window (values are referenced, not copied) and 16
 // bytes of bookkeeping per key; the in-flight byte window bounds what the server and the
@@ -101,7 +102,8 @@ inline Status parse_redis_db(std::string_view db, std::string_view url, RedisOpt
 /// anything else.
 inline Status parse_redis_url(std::string_view url, RedisOptions* out) {
   RedisOptions o = *out;
-  for (std::string_view unix_scheme : {std::string_view("unix://"), std::string_view("redis+unix://")}) {
+  for (std::string_view unix_scheme :
+       {std::string_view("unix://"), std::string_view("redis+unix://")}) {
     if (url.substr(0, unix_scheme.size()) != unix_scheme) continue;
     std::string_view rest = url.substr(unix_scheme.size());
     const std::size_t slash = rest.find('/');
@@ -131,7 +133,8 @@ inline Status parse_redis_url(std::string_view url, RedisOptions* out) {
   }
   constexpr std::string_view kScheme = "redis://";
   KVKIT_CHECK_STATUS(url.substr(0, kScheme.size()) == kScheme, StatusCode::kInvalidArgument,
-                     "redis URL '", url, "' does not start with redis://, unix:// or redis+unix://");
+                     "redis URL '", url,
+                     "' does not start with redis://, unix:// or redis+unix://");
   std::string_view rest = url.substr(kScheme.size());
   o.unix_path.clear();
   const std::size_t at = rest.rfind('@');
@@ -459,7 +462,8 @@ class RedisBackend final : public BlockBackend {
         return make_status(StatusCode::kTimeout, "redis ", endpoint(),
                            ": batch deadline of ", opt_.batch_deadline.count(), " ms passed");
       }
-      const ssize_t r = nv == 1 ? ::read(ctx_->fd, v[0].iov_base, v[0].iov_len) : ::readv(ctx_->fd, v, nv);
+      const ssize_t r =
+          nv == 1 ? ::read(ctx_->fd, v[0].iov_base, v[0].iov_len) : ::readv(ctx_->fd, v, nv);
       if (r > 0) {
         *got = static_cast<std::size_t>(r);
         return Status::ok();
@@ -601,7 +605,8 @@ class RedisBackend final : public BlockBackend {
   }
 
   void close_own_segment() {
-    if (obuf_.size() > own_from_) segs_.push_back(Segment{nullptr, own_from_, obuf_.size() - own_from_});
+    if (obuf_.size() > own_from_)
+      segs_.push_back(Segment{nullptr, own_from_, obuf_.size() - own_from_});
     own_from_ = obuf_.size();
   }
 
@@ -631,7 +636,8 @@ class RedisBackend final : public BlockBackend {
     }
   }
 
-  // Writes every appended command with sendmsg (gathering; blocking, each call armed with arm_timeout).
+  // Writes every appended command with a gathering sendmsg (blocking; each call armed with
+  // arm_timeout).
   Status flush(Clock::time_point deadline) {
     close_own_segment();
     std::size_t seg = 0, skip = 0;  // first unsent segment, bytes of it already sent
