@@ -20,7 +20,9 @@
 // server_cpu_ms_per_GB, server_busy (on-CPU / wall) and server_runq_wait (runnable but
 // waiting for a core / wall: the machine's other load) of the pipelined calls, and per key
 // for both access patterns: us_per_key / one_per_key_us (wall), client_us / one_client_us
-// (this thread's CPU), server_us / one_server_us (the server's CPU). A one-connection
+// (this thread's CPU), server_us / one_server_us (the server's CPU); for load,
+// rb_server_cpu_ms_per_GB / rb_client_cpu_ms_per_GB: the same CPU per GB for redis-benchmark
+// -P 32's GET run (compare with server_cpu_ms_per_GB / client_cpu_ms_per_GB). A one-connection
 // pipeline cannot take less than the single-threaded server's CPU time per key, so
 // one_per_key_us / server_us bounds vs_one_per_key from above on this machine.
 // Goals (issue 18): vs_redis_benchmark >= 1.0 for load; vs_one_per_key >= 6 at 16 KiB and
@@ -31,6 +33,7 @@
 // Skips (exit 0, a message) when no redis-server is installed.
 
 #include <benchmark/benchmark.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -86,40 +89,6 @@ Data& data(std::size_t size) {
   return d;
 }
 
-// redis-benchmark's requests/s for SET and GET of `size`-byte values, one connection,
-// pipeline `depth` (0 when it could not run).
-struct RbResult {
-  double set_rps = 0, get_rps = 0;
-};
-
-RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth) {
-  static std::map<std::tuple<std::size_t, bool, int>, RbResult> cache;
-  const auto id = std::make_tuple(size, unix_socket, depth);
-  auto it = cache.find(id);
-  if (it != cache.end()) return it->second;
-  RbResult r;
-  if (!g_no_rb) {
-    std::size_t n = g_small ? 2000 : (size <= 16384 ? 40000 : 16000);
-    if (depth == 1) n /= 4;  // one round trip each
-    const std::string where = unix_socket ? "-s " + server().unix_path()
-                                          : "-h 127.0.0.1 -p " + std::to_string(server().port());
-    const std::string cmd = "redis-benchmark " + where + " -P " + std::to_string(depth) +
-                            " -c 1 -d " + std::to_string(size) + " -n " + std::to_string(n) +
-                            " -t set,get --csv 2>/dev/null";
-    if (FILE* p = ::popen(cmd.c_str(), "r")) {
-      char line[512];
-      while (std::fgets(line, sizeof(line), p) != nullptr) {
-        double rps = 0;
-        if (std::sscanf(line, "\"SET\",\"%lf\"", &rps) == 1) r.set_rps = rps;
-        if (std::sscanf(line, "\"GET\",\"%lf\"", &rps) == 1) r.get_rps = rps;
-      }
-      ::pclose(p);
-    }
-  }
-  cache[id] = r;
-  return r;
-}
-
 // On-CPU and run-queue-wait nanoseconds of a process (0, 0 when unreadable).
 struct Sched {
   double run_s = 0, wait_s = 0;
@@ -136,6 +105,57 @@ Sched schedstat(pid_t pid) {
     }
     std::fclose(f);
   }
+  return r;
+}
+
+// redis-benchmark's requests/s for SET and GET of `size`-byte values, one connection,
+// pipeline `depth` (0 when it could not run), and the CPU seconds per GB that the server
+// and redis-benchmark itself spent on its GET run (a comparison with this client that the
+// machine's other load does not skew as much as wall-clock rates).
+struct RbResult {
+  double set_rps = 0, get_rps = 0;
+  double get_server_s_per_GB = 0, get_client_s_per_GB = 0;
+};
+
+RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth) {
+  static std::map<std::tuple<std::size_t, bool, int>, RbResult> cache;
+  const auto id = std::make_tuple(size, unix_socket, depth);
+  auto it = cache.find(id);
+  if (it != cache.end()) return it->second;
+  RbResult r;
+  if (!g_no_rb) {
+    std::size_t n = g_small ? 2000 : (size <= 16384 ? 40000 : 16000);
+    if (depth == 1) n /= 4;  // one round trip each
+    const std::string where = unix_socket ? "-s " + server().unix_path()
+                                          : "-h 127.0.0.1 -p " + std::to_string(server().port());
+    for (const char* test : {"set", "get"}) {  // SET first: it stores the key GET reads
+      const std::string cmd = "redis-benchmark " + where + " -P " + std::to_string(depth) +
+                              " -c 1 -d " + std::to_string(size) + " -n " + std::to_string(n) +
+                              " -t " + test + " --csv 2>/dev/null";
+      const Sched s0 = schedstat(server().pid());
+      rusage u0{}, u1{};
+      ::getrusage(RUSAGE_CHILDREN, &u0);
+      if (FILE* p = ::popen(cmd.c_str(), "r")) {
+        char line[512];
+        while (std::fgets(line, sizeof(line), p) != nullptr) {
+          double rps = 0;
+          if (std::sscanf(line, "\"SET\",\"%lf\"", &rps) == 1) r.set_rps = rps;
+          if (std::sscanf(line, "\"GET\",\"%lf\"", &rps) == 1) r.get_rps = rps;
+        }
+        ::pclose(p);
+      }
+      ::getrusage(RUSAGE_CHILDREN, &u1);
+      const Sched s1 = schedstat(server().pid());
+      auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+      const double gb = static_cast<double>(n) * static_cast<double>(size) / 1e9;
+      if (std::string(test) == "get") {
+        r.get_server_s_per_GB = (s1.run_s - s0.run_s) / gb;
+        r.get_client_s_per_GB =
+            (secs(u1.ru_utime) - secs(u0.ru_utime) + secs(u1.ru_stime) - secs(u0.ru_stime)) / gb;
+      }
+    }
+  }
+  cache[id] = r;
   return r;
 }
 
@@ -238,6 +258,10 @@ void bm_store(benchmark::State& state, bool load, std::size_t size, bool unix_so
   if (rps > 0) {
     state.counters["redis_benchmark_GB_s"] = rps * static_cast<double>(size) / 1e9;
     state.counters["vs_redis_benchmark"] = (bytes / t_fast) / (rps * static_cast<double>(size));
+  }
+  if (load && rb.get_server_s_per_GB > 0) {
+    state.counters["rb_server_cpu_ms_per_GB"] = rb.get_server_s_per_GB * 1e3;
+    state.counters["rb_client_cpu_ms_per_GB"] = rb.get_client_s_per_GB * 1e3;
   }
   const double rps1 = load ? rb1.get_rps : rb1.set_rps, rps_best = load ? best.get_rps : best.set_rps;
   if (rps1 > 0) state.counters["rb_P1_GB_s"] = rps1 * static_cast<double>(size) / 1e9;
