@@ -1,7 +1,8 @@
 #pragma once
-// A private redis-server for tests and benchmarks: started on a free loopback port (no
-// persistence), optionally with a password or as a lone cluster-enabled node, stopped on
-// destruction. Also find_redis_server() / free_port(). No Catch2 here (bench/ uses it too).
+// A private redis-server for tests and benchmarks: started on a free loopback port and a
+// unix socket in /tmp (no persistence), optionally with a password or as a lone
+// cluster-enabled node, stopped on destruction. Also find_redis_server() / free_port(). No
+// Catch2 here (bench/ uses it too).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -101,12 +102,23 @@ class RedisServer {
     o.password = password_;
     return o;
   }
+  /// The server's unix socket (it listens there too).
+  std::string unix_path() const {
+    return "/tmp/kvkit-redis-" + std::to_string(::getpid()) + "-" + std::to_string(port_) + ".sock";
+  }
+  /// options() for the unix socket.
+  RedisOptions unix_options() const {
+    RedisOptions o = options();
+    o.unix_path = unix_path();
+    return o;
+  }
 
  private:
   bool spawn() {
     const std::string port = std::to_string(port_);
     std::vector<std::string> args = {binary_, "--port", port, "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--dir", "/tmp", "--daemonize", "no"};
+                                     "--appendonly", "no", "--dir", "/tmp", "--daemonize", "no",
+                                     "--unixsocket", unix_path(), "--unixsocketperm", "700"};
     if (!password_.empty()) {
       args.push_back("--requirepass");
       args.push_back(password_);
@@ -155,6 +167,7 @@ class RedisServer {
     int wstatus = 0;
     ::waitpid(pid_, &wstatus, 0);
     pid_ = -1;
+    std::remove(unix_path().c_str());  // SIGKILL leaves it behind
     if (cluster_)
       std::remove(("/tmp/kvkit-test-nodes-" + std::to_string(::getpid()) + "-" +
                    std::to_string(port_) + ".conf")

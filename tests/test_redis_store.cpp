@@ -10,6 +10,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -22,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <set>
@@ -96,6 +98,35 @@ TEST_CASE("parse_redis_url", "[redis]") {
   CHECK_FALSE(parse_redis_url("redis://h:99999", &p).is_ok());
   CHECK_FALSE(parse_redis_url("redis://h:x1", &p).is_ok());
   CHECK_FALSE(parse_redis_url("redis://", &p).is_ok());
+}
+
+TEST_CASE("parse_redis_url: unix sockets", "[redis]") {
+  RedisOptions o;
+  REQUIRE(parse_redis_url("unix:///run/redis/redis.sock", &o).is_ok());
+  CHECK(o.unix_path == "/run/redis/redis.sock");
+  CHECK(o.db == 0);
+  CHECK(o.password.empty());
+  RedisOptions p;
+  REQUIRE(parse_redis_url("redis+unix://bob:pw@/tmp/r.sock?db=3", &p).is_ok());
+  CHECK(p.unix_path == "/tmp/r.sock");
+  CHECK(p.user == "bob");
+  CHECK(p.password == "pw");
+  CHECK(p.db == 3);
+  RedisOptions q;
+  REQUIRE(parse_redis_url("unix://:pw@/tmp/r.sock", &q).is_ok());
+  CHECK(q.user.empty());
+  CHECK(q.password == "pw");
+  // A later redis:// URL goes back to TCP.
+  REQUIRE(parse_redis_url("redis://h:7", &q).is_ok());
+  CHECK(q.unix_path.empty());
+  CHECK(q.host == "h");
+  RedisOptions bad;
+  CHECK_FALSE(parse_redis_url("unix://", &bad).is_ok());
+  CHECK_FALSE(parse_redis_url("unix://relative.sock", &bad).is_ok());
+  CHECK_FALSE(parse_redis_url("unix:///", &bad).is_ok());
+  CHECK_FALSE(parse_redis_url("unix:///tmp/r.sock?db=x", &bad).is_ok());
+  CHECK_FALSE(parse_redis_url("unix:///tmp/r.sock?timeout=3", &bad).is_ok());
+  CHECK(bad.unix_path.empty());
 }
 
 TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
@@ -596,6 +627,211 @@ TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migrat
   const std::uint64_t settled = backend.redirects();
   REQUIRE(backend.get(mkeys.data(), m, mgot.data(), mstates.data()).is_ok());
   CHECK(backend.redirects() == settled);
+}
+
+namespace {
+
+// Peak and current resident set of this process, bytes (0 when /proc cannot be read).
+std::size_t proc_status_bytes(const char* field) {  // "VmHWM:" or "VmRSS:"
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  std::size_t kb = 0;
+  const std::size_t flen = std::strlen(field);
+  while (std::fgets(line, sizeof(line), f) != nullptr)
+    if (std::strncmp(line, field, flen) == 0) kb = std::strtoull(line + flen, nullptr, 10);
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// Resets VmHWM to the current RSS (Linux >= 4.0); false when not permitted. Free heap
+// memory is handed back first (glibc's malloc_trim), so that what a measured call
+// allocates shows up as new resident pages instead of reusing pages already counted.
+bool reset_peak_rss() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+  FILE* f = std::fopen("/proc/self/clear_refs", "w");
+  if (f == nullptr) return false;
+  const bool ok = std::fputs("5", f) >= 0;
+  return std::fclose(f) == 0 && ok;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+
+}  // namespace
+
+// The RESP writer (gathered sends, values referenced in place) and reader (values read
+// with readv into their destinations) at the sizes where their paths switch, over TCP and
+// a unix socket, with windows smaller and larger than one value.
+TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, TCP and unix socket",
+          "[redis]") {
+  RedisServer server;
+  if (!server.running()) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  const std::vector<std::size_t> sizes = {0,     1,     2,     2047,  2048,   2049,   4095,
+                                          4096,  4097,  16383, 16384, 16385,  20481,  65543,
+                                          262144, 262157, (1u << 20) + 1, 3u << 20};
+  const std::size_t n = 160;
+  std::vector<std::string> values(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t sz = sizes[rng() % sizes.size()];
+    values[i] = random_values(1, sz + 8, rng)[0].substr(0, sz);
+  }
+  for (bool unix_socket : {false, true})
+    for (std::size_t window : {std::size_t{1} << 16, std::size_t{1} << 20, std::size_t{16} << 20}) {
+      CAPTURE(unix_socket, window);
+      RedisOptions o = unix_socket ? server.unix_options() : server.options();
+      o.max_inflight_bytes = window;
+      o.max_inflight_commands = 1 + rng() % 64;
+      RedisBackend redis(o);
+      const std::string ns = unique_ns(rng);
+      std::vector<std::string> keys(n);
+      for (std::size_t i = 0; i < n; ++i) keys[i] = "sz:" + ns + ":" + std::to_string(i);
+      std::vector<KeyState> states(n, KeyState::kError);
+      Status st = redis.put(keys.data(), values.data(), n, states.data());
+      INFO(st.to_string());
+      REQUIRE(st.is_ok());
+      for (auto s : states) REQUIRE(s == KeyState::kHit);
+      // Absent keys interleaved; destinations start with stale bytes of other sizes.
+      std::vector<std::string> probe = keys;
+      for (std::size_t i = 0; i < n; i += 3) probe[i] += "-absent";
+      std::vector<std::string> got(n);
+      for (std::size_t i = 0; i < n; ++i) got[i] = values[(i + 1) % n];
+      st = redis.get(probe.data(), n, got.data(), states.data());
+      REQUIRE(st.is_ok());
+      for (std::size_t i = 0; i < n; ++i) {
+        CAPTURE(i, values[i].size());
+        REQUIRE(states[i] == (i % 3 == 0 ? KeyState::kMiss : KeyState::kHit));
+        if (i % 3 != 0) REQUIRE(got[i] == values[i]);
+      }
+      REQUIRE(redis.connects() == 1);
+      REQUIRE(redis.remove(keys.data(), n).is_ok());
+    }
+  // SET ... EX: the TTL reaches the server (checked with a plain hiredis connection).
+  RedisOptions o = server.unix_options();
+  o.ttl_seconds = 1000;
+  RedisBackend redis(o);
+  const std::string key = "ttl:" + unique_ns(rng);
+  const std::string value = random_values(1, 5000, rng)[0];
+  KeyState ks = KeyState::kError;
+  REQUIRE(redis.put(&key, &value, 1, &ks).is_ok());
+  REQUIRE(ks == KeyState::kHit);
+  redisContext* c = redisConnectUnix(server.unix_path().c_str());
+  REQUIRE(c != nullptr);
+  REQUIRE(c->err == 0);
+  auto* r = static_cast<redisReply*>(redisCommand(c, "TTL %b", key.data(), key.size()));
+  REQUIRE(r != nullptr);
+  CHECK(r->type == REDIS_REPLY_INTEGER);
+  CHECK(r->integer > 0);
+  CHECK(r->integer <= 1000);
+  freeReplyObject(r);
+  redisFree(c);
+}
+
+TEST_CASE("BlockStore over Redis on a unix socket (redis+unix:// URL)", "[redis][connector]") {
+  RedisServer server;
+  if (!server.running()) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  RedisOptions o;
+  REQUIRE(parse_redis_url("redis+unix://" + server.unix_path(), &o).is_ok());
+  RedisBackend redis(o);
+  REQUIRE(redis.connect().is_ok());
+  redis_block_round_trip<half_t>(redis, rng, Codec::kRaw);
+  // A path nobody listens on: an error, not a hang.
+  RedisOptions none;
+  REQUIRE(parse_redis_url("unix://" + server.unix_path() + ".none", &none).is_ok());
+  RedisBackend missing(none);
+  CHECK(missing.connect().code() == StatusCode::kIoError);
+}
+
+// Client memory: the peak RSS growth of a batch of 2048 x 64 KiB (128 MiB) stays within
+// the in-flight window plus a constant of 1 MiB (the 256 KiB read buffer, the headers of
+// one window, 16 bytes of bookkeeping per key, hiredis' context), for put and for get into
+// destinations that are already resident. Deterministic enough for a bound: nothing else
+// allocates meanwhile. A client that buffered the batch (or copied values into an output
+// buffer without a bound) would exceed it by about 128 MiB.
+TEST_CASE("RedisBackend: client memory bounded by the in-flight window, not the batch", "[redis]") {
+  if (kAsan) {
+    WARN("ASan build: RSS includes shadow memory and the allocation quarantine: skipped");
+    return;
+  }
+  if (!reset_peak_rss() || proc_status_bytes("VmHWM:") == 0) {
+    WARN("cannot reset or read peak RSS (/proc/self/clear_refs, /proc/self/status): skipped");
+    return;
+  }
+  {  // The probe sees a known allocation (so the bounds below can fail).
+    REQUIRE(reset_peak_rss());
+    const std::size_t rss = proc_status_bytes("VmRSS:");
+    std::string block(4u << 20, '\0');
+    for (std::size_t i = 0; i < block.size(); i += 4096) block[i] = static_cast<char>(i >> 12);
+    const std::size_t seen = proc_status_bytes("VmHWM:") - std::min(rss, proc_status_bytes("VmHWM:"));
+    INFO("a 4 MiB allocation raised the peak RSS by " << (seen >> 10) << " KiB");
+    REQUIRE(seen >= (3u << 20));
+  }
+  RedisServer server;
+  if (!server.running()) {
+    WARN("no redis-server: skipped");
+    return;
+  }
+  KVKIT_TEST_RNG(rng);
+  const std::size_t n = 2048, size = 65536;
+  const auto values = random_values(n, size, rng);
+  std::vector<std::string> keys(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = "mem:" + std::to_string(i);
+  std::vector<std::string> got(n, std::string(size, '\x5a'));  // resident before measuring
+  std::vector<KeyState> states(n);
+  constexpr std::size_t kConstant = 1u << 20;
+  for (std::size_t window : {std::size_t{256} << 10, std::size_t{1} << 20, std::size_t{4} << 20}) {
+    for (bool unix_socket : {false, true}) {
+      CAPTURE(window, unix_socket);
+      RedisOptions o = unix_socket ? server.unix_options() : server.options();
+      o.max_inflight_bytes = window;
+      o.batch_deadline = std::chrono::milliseconds(60000);
+      o.op_timeout = std::chrono::milliseconds(10000);
+      // Fresh backends: their buffers are allocated inside the measured calls.
+      RedisBackend redis(o), reader(o);
+      REQUIRE(reset_peak_rss());
+      const std::size_t rss0 = proc_status_bytes("VmRSS:");
+      const Status sp = redis.put(keys.data(), values.data(), n, states.data());
+      const std::size_t put_extra = proc_status_bytes("VmHWM:") - std::min(rss0, proc_status_bytes("VmHWM:"));
+      INFO(sp.to_string());
+      REQUIRE(sp.is_ok());
+      REQUIRE(reset_peak_rss());
+      const std::size_t rss1 = proc_status_bytes("VmRSS:");
+      const Status sg = reader.get(keys.data(), n, got.data(), states.data());
+      const std::size_t get_extra = proc_status_bytes("VmHWM:") - std::min(rss1, proc_status_bytes("VmHWM:"));
+      INFO(sg.to_string());
+      REQUIRE(sg.is_ok());
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i]);
+      std::printf("client memory, %zu x %zu B (%zu MiB) over %s, window %zu KiB: peak RSS over "
+                  "the RSS before: put +%zu KiB, get +%zu KiB\n",
+                  n, size, n * size >> 20, unix_socket ? "unix" : "tcp", window >> 10,
+                  put_extra >> 10, get_extra >> 10);
+      // The documented bound is window + constant; the client holds no reply or command
+      // bytes beyond its read buffer, so it does not even grow with the window.
+      CHECK(put_extra <= window + kConstant);
+      CHECK(get_extra <= window + kConstant);
+      CHECK(put_extra <= kConstant);
+      CHECK(get_extra <= kConstant);
+    }
+  }
 }
 
 // Not run by default (hidden tag); prints throughput, asserts only correctness:

@@ -72,7 +72,7 @@ inline void add_store_demo_options(CLI::App& cmd, StoreDemoOptions& o) {
       ->type_name("PATH")
       ->required();
   cmd.add_option("--store", o.store,
-                 "memory (default), redis://[[user]:pass@]HOST:PORT[/db] or redis-cluster://HOST:PORT[,HOST:PORT...]")
+                 "memory (default), redis://[[user]:pass@]HOST:PORT[/db], unix:///PATH (a local server's unix socket) or redis-cluster://HOST:PORT[,HOST:PORT...]")
       ->type_name("URL");
   cmd.add_option("--max-tokens", o.max_tokens, "tokens generated per request (default 32)")
       ->type_name("N")
@@ -117,8 +117,9 @@ inline Backend open_backend(const std::string& url) {
     return b;
   }
   const bool cluster = url.rfind("redis-cluster://", 0) == 0;
-  if (!cluster && url.rfind("redis://", 0) != 0)
-    throw StoreDemoUsage("--store '" + url + "': expected memory, redis://HOST:PORT or redis-cluster://HOST:PORT[,...]");
+  if (!cluster && url.rfind("redis://", 0) != 0 && url.rfind("unix://", 0) != 0 &&
+      url.rfind("redis+unix://", 0) != 0)
+    throw StoreDemoUsage("--store '" + url + "': expected memory, redis://HOST:PORT, unix:///PATH or redis-cluster://HOST:PORT[,...]");
 #if defined(KVKIT_CLI_HAS_REDIS) && KVKIT_CLI_HAS_REDIS
   if (cluster) {
     store::RedisClusterOptions o;

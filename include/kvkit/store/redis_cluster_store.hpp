@@ -135,6 +135,7 @@ class RedisClusterBackend final : public BlockBackend {
     RedisOptions o = opt_.node;
     o.host = host;
     o.port = port;
+    o.unix_path.clear();  // nodes are addressed by the slot map's host:port
     nodes_.push_back(Node{host, port, std::make_unique<RedisBackend>(o)});
     return static_cast<int>(nodes_.size() - 1);
   }
