@@ -66,6 +66,17 @@ inline bool port_free(int port) {
   return ok;
 }
 
+/// Timeouts for tests that are not about timeouts. The library's defaults (500 ms per socket
+/// operation, 5 s per batch) suit an engine; on a loaded 2-core CI machine, or under ASan, a
+/// descheduled client or server can exceed them while moving 32 MiB, which would fail a
+/// test that checks data, not latency. Tests of deadlines set their own values afterwards.
+inline RedisOptions with_test_timeouts(RedisOptions o) {
+  o.connect_timeout = std::chrono::milliseconds(5000);
+  o.op_timeout = std::chrono::milliseconds(10000);
+  o.batch_deadline = std::chrono::milliseconds(120000);
+  return o;
+}
+
 // A private redis-server on a free loopback port (no persistence), stopped on destruction.
 class RedisServer {
  public:
@@ -95,12 +106,13 @@ class RedisServer {
     stop();
     return spawn();
   }
+  /// Options reaching this server, with the test timeouts (with_test_timeouts).
   RedisOptions options() const {
     RedisOptions o;
     o.host = "127.0.0.1";
     o.port = port_;
     o.password = password_;
-    return o;
+    return with_test_timeouts(o);
   }
   /// The server's unix socket (it listens there too).
   std::string unix_path() const {

@@ -29,6 +29,7 @@ TEST_CASE("spill to redis under pressure, restore on resume", "[conversation][re
   store::RedisOptions ro;
   if (const char* url = std::getenv("KVKIT_REDIS_URL")) {
     REQUIRE(store::parse_redis_url(url, &ro).is_ok());
+    ro = kvkit_test::with_test_timeouts(ro);
   } else {
     own = std::make_unique<kvkit_test::RedisServer>();
     if (!own->running()) {

@@ -52,6 +52,7 @@ bool shared_options(RedisOptions* out) {
     const Status st = parse_redis_url(url, out);
     INFO(st.to_string());
     REQUIRE(st.is_ok());
+    *out = kvkit_test::with_test_timeouts(*out);
     return true;
   }
   static std::unique_ptr<RedisServer> own;
@@ -526,6 +527,7 @@ struct Cluster {
   RedisClusterOptions options() const {
     RedisClusterOptions o;
     o.seeds.emplace_back("127.0.0.1", servers[0]->port());
+    o.node = kvkit_test::with_test_timeouts(o.node);
     return o;
   }
 };
