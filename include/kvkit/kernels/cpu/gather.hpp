@@ -44,14 +44,15 @@ inline constexpr std::size_t kCompactStreamBytes = std::size_t{16} << 20;
 /// with a strictly ascending keep list (keep + (h0 + j) * keep_stride, nk entries), so
 /// keep[i] >= i and every source row is read before its slot is overwritten.
 ///
-/// The heads advance through the sequence's source pages together (page outer, head
-/// inner), so each source page is read once, as one block, whatever the layout, instead
-/// of once per head; each head keeps its own destination cursor. Per source page: one
-/// page-table load; per head, rows addressed by pointer increments, the leading rows
-/// already in place (keep[i] == i) skipped, and consecutive kept slots that are also
-/// consecutive in the destination page moved as one run when rows are packed (HND; NHD
-/// rows of a head are strided). While page p is moved, the chunk's rows of page p + 1 are
-/// prefetched. `move` (CachedRowMove or StreamingRowMove) copies each run.
+/// The heads advance through the sequence's source pages together, so each source page
+/// is read once, as one block, whatever the layout, instead of once per head; each head
+/// keeps its own destination cursor. Within a page: in NHD-like layouts (heads of a token
+/// adjacent) slot outer, head inner, reading the page in address order; otherwise head
+/// outer, with consecutive kept slots that are also consecutive in the destination page
+/// moved as one run when rows are packed (HND). One page-table load per source and per
+/// destination page, rows addressed by pointer increments, the leading rows already in
+/// place (keep[i] == i) skipped. While page p is moved, the chunk's rows of page p + 1
+/// are prefetched. `move` (CachedRowMove or StreamingRowMove) copies each run.
 template <class T, class Move>
 void compact_heads_ascending(const PagedKVView<T>& view, std::int32_t b, std::int32_t h0,
                              std::int32_t hc,
@@ -70,6 +71,11 @@ void compact_heads_ascending(const PagedKVView<T>& view, std::int32_t b, std::in
   const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(view.v_head_dim);
   const std::int64_t kst = view.k_stride_token, vst = view.v_stride_token;
   const bool packed = kst == view.head_dim && vst == view.v_head_dim;
+  // Heads of a token adjacent (NHD-like): move the page slot by slot, all heads of a
+  // slot together, so the page is read in address order and each destination token row
+  // is written by all heads close together.
+  const bool token_outer =
+      !packed && hc > 1 && kst > view.k_stride_head && vst > view.v_stride_head;
   // Prefetches the rows of heads [h0, h0 + hc) in a page: as one span when the span is
   // dense (a whole NHD page, a chunk of HND head blocks), else row by row.
   auto prefetch_page_rows = [&](const T* base, std::size_t row_bytes, auto offset) {
@@ -111,6 +117,34 @@ void compact_heads_ascending(const PagedKVView<T>& view, std::int32_t b, std::in
       prefetch_page_rows(view.v_data, v_bytes, [&](std::int32_t t, std::int32_t h) {
         return view.v_offset(next, t, h);
       });
+    }
+    if (token_outer) {
+      // Heads of a token adjacent (NHD): slot outer, head inner, so the page is read in
+      // address order; each head's next kept row is moved when its slot comes up.
+      const T* ks0 = view.k_data + view.k_offset(page, 0, 0);
+      const T* vs0 = view.v_data + view.v_offset(page, 0, 0);
+      for (std::int32_t t = first; t < limit; ++t) {
+        for (std::int32_t j = 0; j < hc; ++j) {
+          Cursor& c = cur[j];
+          if (c.i >= nk || c.kl[c.i] != t) continue;
+          const std::int32_t h = h0 + j;
+          if (c.dslot == ps) {  // next destination page
+            ++c.dpi;
+            c.dslot = 0;
+            const std::int32_t dp = view.page_id(b, c.dpi);
+            c.kd = view.k_data + view.k_offset(dp, 0, h);
+            c.vd = view.v_data + view.v_offset(dp, 0, h);
+          }
+          const std::int64_t slot = t - first;
+          move(c.kd, ks0 + slot * kst + h * view.k_stride_head, k_bytes);
+          move(c.vd, vs0 + slot * vst + h * view.v_stride_head, v_bytes);
+          c.kd += kst;
+          c.vd += vst;
+          ++c.dslot;
+          ++c.i;
+        }
+      }
+      continue;
     }
     for (std::int32_t j = 0; j < hc; ++j) {
       Cursor& c = cur[j];
@@ -305,10 +339,12 @@ std::size_t compact_tokens_workspace_size(exec::Host ex, const PagedKVView<T>& v
 /// head; kInvalidArgument when ws is smaller than compact_tokens_workspace_size(ex, ...)),
 /// so a failed call changes nothing. Strictly ascending keep lists are compacted by one
 /// forward pass (keep[i] >= i, so no source is overwritten before it is read); others
-/// are staged through the workspace. The ascending pass walks each head's kept rows
-/// source page by source page (one page-table load per page, rows already in place
-/// skipped, consecutive kept slots moved as one run, rows prefetched ahead). The pages of the sequences being compacted must not
-/// be shared with other sequences (copy them first with copy_pages).
+/// are staged through the workspace. The ascending pass moves the heads of a sequence
+/// through its source pages together (each page read once; one page-table load per page;
+/// rows already in place skipped; consecutive kept slots moved as one run; the next page
+/// prefetched), with non-temporal stores when the call moves at least
+/// kCompactStreamBytes. The pages of the sequences being compacted must not be shared
+/// with other sequences (copy them first with copy_pages).
 template <class T>
 Status compact_tokens(exec::Host ex, PagedKVView<T> view,
                       const std::int32_t* keep,      // [batch, Hkv, keep_stride]
