@@ -29,7 +29,6 @@ inline std::int32_t rows_ahead(std::size_t step_bytes) {
       std::max<std::size_t>(1, 8192 / std::max<std::size_t>(1, step_bytes)));
 }
 
-
 /// Most kv heads one item of compact_tokens' in-place pass moves together (its per-head
 /// cursors live on the stack); more heads are split into items of at most this many.
 inline constexpr std::int32_t kCompactMaxHeads = 32;
