@@ -9,6 +9,7 @@
 //                    "contiguous" view (one page per sequence, page_size = S).
 //   compact_asc/...  compact_tokens, strictly ascending keep lists (in-place fast path)
 //   compact_perm/... compact_tokens, keep lists in arbitrary order (staged path)
+//   compact_r1kv/... compact_tokens, R1KV-shaped ascending lists (S - S/32 kept per head)
 //   gather/...       gather_tokens of an ascending half of each sequence
 //   copy_pages/...   copy_pages of half the pool onto the other half
 //   write_kv/...     write_kv of prefill-sized chunks into shuffled pages
@@ -17,7 +18,7 @@
 //                    vs the same through a scalar from_float / to_float loop and a
 //                    same-dtype kernel (what a caller did before the converting overloads)
 // The data-movement benchmarks compare with one memcpy of the same number of bytes (the
-// kept/moved tokens' K+V bytes). Buffers exceed the last-level cache (32 MiB on the
+// moved tokens' K+V bytes; for compaction, rows whose position changes). Buffers exceed the last-level cache (32 MiB on the
 // reference machine) so bandwidth, not cache, is measured; decode rotates over enough
 // "layers" that each layer's KV is cold when it is read again, as in real decoding.
 // Every benchmark first checks the kernel's output against the baseline / a direct
@@ -615,20 +616,53 @@ bool rows_equal(const T* a, const T* b) {
   return std::memcmp(a, b, kDim * sizeof(T)) == 0;
 }
 
-/// compact_tokens keeping half of every (sequence, KV head), ascending or shuffled order.
+/// Keep lists of the compaction benchmarks.
+enum class CompactPattern {
+  kHalfAscending,  // a random half of every (sequence, head), ascending (in-place path)
+  kHalfShuffled,   // the same sets in shuffled order (staged path)
+  kR1kv,           // R1KV's shape: S - S/32 kept (S 4096: 128 = one buffer dropped), 4 sink
+                   // and 8 window tokens always kept, the dropped ones uniform in between,
+                   // per head; only the first half of the sequences is compacted so the
+                   // moved bytes fit the memcpy buffers
+};
+
+/// compact_tokens with keep lists of `pattern`. Bytes counted for the kernel and for both
+/// baselines alike: the K+V rows whose position changes (keep[i] != i), so rows already
+/// in place (R1KV's long kept prefixes) count for neither side.
 template <class T>
-void bm_compact(benchmark::State& state, std::int32_t page_size, KVLayout layout, bool ascending) {
+void bm_compact(benchmark::State& state, std::int32_t page_size, KVLayout layout,
+                CompactPattern pattern) {
   auto& f = move_fixture<T>(page_size, layout);
-  const std::int32_t keep_n = f.seq_len / 2;
+  const bool r1kv = pattern == CompactPattern::kR1kv;
+  const std::int32_t keep_n = r1kv ? f.seq_len - f.seq_len / 32 : f.seq_len / 2;
   const std::int32_t stride = keep_n;
+  constexpr std::int32_t kSinks = 4, kWindow = 8;
   std::vector<std::int32_t> keep(static_cast<std::size_t>(f.batch) * kHkv * stride);
   for (std::int32_t b = 0; b < f.batch; ++b)
     for (std::int32_t h = 0; h < kHkv; ++h) {
-      std::vector<std::int32_t> sel = random_subset_sorted(f.seq_len, keep_n);
-      if (!ascending) std::shuffle(sel.begin(), sel.end(), rng());
+      std::vector<std::int32_t> sel;
+      if (r1kv) {
+        std::vector<std::int32_t> mid(static_cast<std::size_t>(f.seq_len - kSinks - kWindow));
+        std::iota(mid.begin(), mid.end(), kSinks);
+        std::shuffle(mid.begin(), mid.end(), rng());
+        std::vector<char> dropped(static_cast<std::size_t>(f.seq_len), 0);
+        for (std::int32_t d = 0; d < f.seq_len - keep_n; ++d) dropped[static_cast<std::size_t>(mid[d])] = 1;
+        for (std::int32_t t = 0; t < f.seq_len; ++t)
+          if (!dropped[static_cast<std::size_t>(t)]) sel.push_back(t);
+      } else {
+        sel = random_subset_sorted(f.seq_len, keep_n);
+        if (pattern == CompactPattern::kHalfShuffled) std::shuffle(sel.begin(), sel.end(), rng());
+      }
       std::copy(sel.begin(), sel.end(), keep.begin() + (static_cast<std::ptrdiff_t>(b) * kHkv + h) * stride);
     }
-  std::vector<std::int32_t> num_keep(static_cast<std::size_t>(f.batch), keep_n);
+  const std::int32_t compacted = r1kv ? f.batch / 2 : f.batch;  // sequences compacted
+  std::vector<std::int32_t> num_keep(static_cast<std::size_t>(f.batch), 0);
+  std::fill(num_keep.begin(), num_keep.begin() + compacted, keep_n);
+  std::size_t moved_rows = 0;
+  for (std::int32_t b = 0; b < compacted; ++b)
+    for (std::int32_t h = 0; h < kHkv; ++h)
+      for (std::int32_t i = 0; i < keep_n; ++i)
+        moved_rows += keep[(static_cast<std::size_t>(b) * kHkv + h) * stride + i] != i;
   Buffer<unsigned char> ws(std::max<std::size_t>(
       1, kvkit::compact_tokens_workspace_size(kvkit::exec::Host{1}, f.view, stride)));
   const kvkit::Workspace w{ws.data(), ws.size()};
@@ -642,7 +676,7 @@ void bm_compact(benchmark::State& state, std::int32_t page_size, KVLayout layout
     std::vector<T> k, v;
   };
   std::vector<Probe> probes;
-  std::uniform_int_distribution<std::int32_t> pick_b(0, f.batch - 1), pick_h(0, kHkv - 1),
+  std::uniform_int_distribution<std::int32_t> pick_b(0, compacted - 1), pick_h(0, kHkv - 1),
       pick_i(0, keep_n - 1);
   for (int n = 0; n < 256; ++n) {
     Probe p{pick_b(rng()), pick_h(rng()), pick_i(rng()), {}, {}};
@@ -662,8 +696,10 @@ void bm_compact(benchmark::State& state, std::int32_t page_size, KVLayout layout
       fail_bench(state, "compact_tokens moved the wrong rows");
       return;
     }
-  const std::size_t bytes = static_cast<std::size_t>(f.batch) * kHkv * keep_n * kDim * sizeof(T) * 2;
+  const std::size_t bytes = moved_rows * kDim * sizeof(T) * 2;
   time_vs_memcpy(state, f, bytes, run);
+  state.counters["moved_frac"] =
+      static_cast<double>(moved_rows) / (static_cast<double>(compacted) * kHkv * keep_n);
 }
 
 /// gather_tokens of an ascending half of every sequence into [Hkv, n, D] outputs.
@@ -891,8 +927,9 @@ void register_moves() {
       reg("write_kv", bm_write_kv<T>);
       reg("gather", bm_gather<T>);
       reg("copy_pages", bm_copy_pages<T>);
-      reg("compact_asc", bm_compact<T>, true);
-      reg("compact_perm", bm_compact<T>, false);
+      reg("compact_asc", bm_compact<T>, CompactPattern::kHalfAscending);
+      reg("compact_perm", bm_compact<T>, CompactPattern::kHalfShuffled);
+      reg("compact_r1kv", bm_compact<T>, CompactPattern::kR1kv);
     }
 }
 

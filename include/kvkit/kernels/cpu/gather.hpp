@@ -29,74 +29,163 @@ inline std::int32_t rows_ahead(std::size_t step_bytes) {
       std::max<std::size_t>(1, 8192 / std::max<std::size_t>(1, step_bytes)));
 }
 
+/// Most kv heads one item of compact_tokens' in-place pass moves together (its per-head
+/// cursors live on the stack); more heads are split into items of at most this many.
+inline constexpr std::int32_t kCompactMaxHeads = 32;
 
-/// The in-place pass of compact_tokens for one (sequence b, kv head h) whose keep list
-/// kl[0..nk) is strictly ascending, so kl[i] >= i and every source row is read before its
-/// slot is overwritten. Walks the kept rows source page by source page: one page-table
-/// load per source page and per destination page, row addresses by pointer increments;
-/// rows already in place (the prefix where kl[i] == i) are skipped; consecutive kept
-/// slots that are also consecutive in the destination page are moved as one run when
-/// rows are packed; the kept rows `ahead` positions ahead are prefetched.
-template <class T>
-void compact_head_ascending(const PagedKVView<T>& view, std::int32_t b, std::int32_t h,
-                            const std::int32_t* kl,  // [nk] strictly ascending
-                            std::int32_t nk, std::int32_t ahead) {
+/// Total K+V bytes from which compact_tokens writes with non-temporal stores: far more
+/// than the caches hold, where the destination lines would otherwise be read before they
+/// are written and would evict source rows still to be read. Below it, cached stores
+/// leave the compacted rows in cache for the next attention step.
+inline constexpr std::size_t kCompactStreamBytes = std::size_t{16} << 20;
+
+/// The in-place pass of compact_tokens for sequence b and kv heads [h0, h0 + hc), each
+/// with a strictly ascending keep list (keep + (h0 + j) * keep_stride, nk entries), so
+/// keep[i] >= i and every source row is read before its slot is overwritten.
+///
+/// The heads advance through the sequence's source pages together, so each source page
+/// is read once, as one block, whatever the layout, instead of once per head; each head
+/// keeps its own destination cursor. Within a page: in NHD-like layouts (heads of a token
+/// adjacent) slot outer, head inner, reading the page in address order; otherwise head
+/// outer, with consecutive kept slots that are also consecutive in the destination page
+/// moved as one run when rows are packed (HND). One page-table load per source and per
+/// destination page, rows addressed by pointer increments, the leading rows already in
+/// place (keep[i] == i) skipped. While page p is moved, the chunk's rows of page p + 1
+/// are prefetched. `move` (CachedRowMove or StreamingRowMove) copies each run.
+template <class T, class Move>
+void compact_heads_ascending(const PagedKVView<T>& view, std::int32_t b, std::int32_t h0,
+                             std::int32_t hc,
+                             const std::int32_t* keep,  // [Hkv, keep_stride] of sequence b
+                             std::int32_t keep_stride, std::int32_t nk, Move move) {
+  struct Cursor {
+    const std::int32_t* kl;  // [nk] this head's keep list
+    std::int32_t i;          // next entry of kl to move (== its destination token)
+    std::int32_t dpi, dslot; // destination logical page and slot of token i
+    T* kd;                   // [Dk] destination K row of token i
+    T* vd;                   // [Dv] destination V row of token i
+  };
+  Cursor cur[kCompactMaxHeads];
   const std::int32_t ps = view.page_size;
-  const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.head_dim);
+  const std::size_t k_bytes = sizeof(T) * static_cast<std::size_t>(view.head_dim);
   const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(view.v_head_dim);
   const std::int64_t kst = view.k_stride_token, vst = view.v_stride_token;
   const bool packed = kst == view.head_dim && vst == view.v_head_dim;
-  std::int32_t i = 0;
-  while (i < nk && kl[i] == i) ++i;  // already in place
-  if (i == nk) return;
-  // Prefetch cursor: kept rows up to `pf` have been prefetched.
-  PageCursor pre;
-  std::int32_t pf = i;
-  auto prefetch_to = [&](std::int32_t upto) {
-    for (; pf < std::min(nk, upto); ++pf) {
-      pre.seek(view, b, kl[pf]);
-      prefetch_bytes(view.k_data + view.k_offset(pre.page, pre.slot, h), bytes);
-      prefetch_bytes(view.v_data + view.v_offset(pre.page, pre.slot, h), v_bytes);
+  // Heads of a token adjacent (NHD-like): move the page slot by slot, all heads of a
+  // slot together, so the page is read in address order and each destination token row
+  // is written by all heads close together.
+  const bool token_outer =
+      !packed && hc > 1 && kst > view.k_stride_head && vst > view.v_stride_head;
+  // Prefetches the rows of heads [h0, h0 + hc) in a page: as one span when the span is
+  // dense (a whole NHD page, a chunk of HND head blocks), else row by row.
+  auto prefetch_page_rows = [&](const T* base, std::size_t row_bytes, auto offset) {
+    const std::int64_t lo = offset(0, h0), hi = offset(ps - 1, h0 + hc - 1);
+    const std::size_t useful = static_cast<std::size_t>(ps) * hc * row_bytes;
+    if (hi >= lo && sizeof(T) * static_cast<std::size_t>(hi - lo) + row_bytes <= 2 * useful) {
+      prefetch_bytes(base + lo, sizeof(T) * static_cast<std::size_t>(hi - lo) + row_bytes);
+      return;
     }
+    for (std::int32_t j = 0; j < hc; ++j)
+      for (std::int32_t t = 0; t < ps; ++t) prefetch_bytes(base + offset(t, h0 + j), row_bytes);
   };
-  prefetch_to(i + ahead);
-  // Destination: row i of logical page i / ps.
-  std::int32_t dpi = i / ps, dslot = i - dpi * ps;
-  T* kd = view.k_data + view.k_offset(view.page_id(b, dpi), dslot, h);
-  T* vd = view.v_data + view.v_offset(view.page_id(b, dpi), dslot, h);
-  while (i < nk) {
-    // One source page: kept rows i..j of logical page spi.
-    const std::int32_t t0 = kl[i];
-    const std::int32_t spi = t0 / ps, first = spi * ps;
+  std::int32_t sp0 = 0, sp1 = -1;  // logical source pages holding rows to move
+  for (std::int32_t j = 0; j < hc; ++j) {
+    Cursor& c = cur[j];
+    const std::int32_t h = h0 + j;
+    c.kl = keep + static_cast<std::int64_t>(h) * keep_stride;
+    c.i = 0;
+    while (c.i < nk && c.kl[c.i] == c.i) ++c.i;  // already in place; later kl[i] > i
+    c.dpi = c.i / ps;
+    c.dslot = c.i - c.dpi * ps;
+    c.kd = c.vd = nullptr;
+    if (c.i == nk) continue;
+    const std::int32_t dp = view.page_id(b, c.dpi);
+    c.kd = view.k_data + view.k_offset(dp, c.dslot, h);
+    c.vd = view.v_data + view.v_offset(dp, c.dslot, h);
+    const std::int32_t first = c.kl[c.i] / ps, last = c.kl[nk - 1] / ps;
+    if (sp1 < 0 || first < sp0) sp0 = first;
+    if (last > sp1) sp1 = last;
+  }
+  for (std::int32_t spi = sp0; spi <= sp1; ++spi) {
     const std::int32_t page = view.page_id(b, spi);
-    const T* ks = view.k_data + view.k_offset(page, 0, h);
-    const T* vs = view.v_data + view.v_offset(page, 0, h);
-    const std::int32_t limit = first + ps;
-    while (i < nk && kl[i] < limit) {
-      prefetch_to(i + ahead);
-      if (dslot == ps) {  // next destination page
-        ++dpi;
-        dslot = 0;
-        const std::int32_t dp = view.page_id(b, dpi);
-        kd = view.k_data + view.k_offset(dp, 0, h);
-        vd = view.v_data + view.v_offset(dp, 0, h);
+    const std::int32_t next = spi < sp1 ? view.page_id(b, spi + 1) : -1;
+    const std::int32_t first = spi * ps, limit = first + ps;
+    if (next >= 0) {
+      prefetch_page_rows(view.k_data, k_bytes, [&](std::int32_t t, std::int32_t h) {
+        return view.k_offset(next, t, h);
+      });
+      prefetch_page_rows(view.v_data, v_bytes, [&](std::int32_t t, std::int32_t h) {
+        return view.v_offset(next, t, h);
+      });
+    }
+    if (token_outer) {
+      // Heads of a token adjacent (NHD): slot outer, head inner, so the page is read in
+      // address order; each head's next kept row is moved when its slot comes up.
+      const T* ks0 = view.k_data + view.k_offset(page, 0, 0);
+      const T* vs0 = view.v_data + view.v_offset(page, 0, 0);
+      for (std::int32_t t = first; t < limit; ++t) {
+        for (std::int32_t j = 0; j < hc; ++j) {
+          Cursor& c = cur[j];
+          if (c.i >= nk || c.kl[c.i] != t) continue;
+          const std::int32_t h = h0 + j;
+          if (c.dslot == ps) {  // next destination page
+            ++c.dpi;
+            c.dslot = 0;
+            const std::int32_t dp = view.page_id(b, c.dpi);
+            c.kd = view.k_data + view.k_offset(dp, 0, h);
+            c.vd = view.v_data + view.v_offset(dp, 0, h);
+          }
+          const std::int64_t slot = t - first;
+          move(c.kd, ks0 + slot * kst + h * view.k_stride_head, k_bytes);
+          move(c.vd, vs0 + slot * vst + h * view.v_stride_head, v_bytes);
+          c.kd += kst;
+          c.vd += vst;
+          ++c.dslot;
+          ++c.i;
+        }
       }
-      const std::int32_t slot = kl[i] - first;
-      std::int32_t r = 1;
-      if (packed) {
-        const std::int32_t max_r = std::min({nk - i, ps - dslot, ps - slot});
-        while (r < max_r && kl[i + r] == kl[i] + r) ++r;
+      continue;
+    }
+    for (std::int32_t j = 0; j < hc; ++j) {
+      Cursor& c = cur[j];
+      const std::int32_t h = h0 + j;
+      const std::int32_t* kl = c.kl;
+      std::int32_t i = c.i;
+      if (i < nk && kl[i] < limit) {
+        const T* ks = view.k_data + view.k_offset(page, 0, h);
+        const T* vs = view.v_data + view.v_offset(page, 0, h);
+        T* kd = c.kd;
+        T* vd = c.vd;
+        std::int32_t dslot = c.dslot;
+        while (i < nk && kl[i] < limit) {
+          if (dslot == ps) {  // next destination page
+            ++c.dpi;
+            dslot = 0;
+            const std::int32_t dp = view.page_id(b, c.dpi);
+            kd = view.k_data + view.k_offset(dp, 0, h);
+            vd = view.v_data + view.v_offset(dp, 0, h);
+          }
+          const std::int32_t slot = kl[i] - first;
+          std::int32_t r = 1;
+          if (packed) {
+            const std::int32_t max_r = std::min({nk - i, ps - dslot, ps - slot});
+            while (r < max_r && kl[i + r] == kl[i] + r) ++r;
+          }
+          const std::size_t n = static_cast<std::size_t>(r);
+          move(kd, ks + slot * kst, k_bytes * n);
+          move(vd, vs + slot * vst, v_bytes * n);
+          kd += kst * r;
+          vd += vst * r;
+          dslot += r;
+          i += r;
+        }
+        c.i = i;
+        c.kd = kd;
+        c.vd = vd;
+        c.dslot = dslot;
       }
-      if (kl[i] != i) {
-        copy_rows(kd, ks + slot * kst, bytes * static_cast<std::size_t>(r));
-        copy_rows(vd, vs + slot * vst, v_bytes * static_cast<std::size_t>(r));
-      }
-      kd += kst * r;
-      vd += vst * r;
-      dslot += r;
-      i += r;
     }
   }
+  move.fence();
 }
 
 }  // namespace cpu
@@ -249,10 +338,12 @@ std::size_t compact_tokens_workspace_size(exec::Host ex, const PagedKVView<T>& v
 /// head; kInvalidArgument when ws is smaller than compact_tokens_workspace_size(ex, ...)),
 /// so a failed call changes nothing. Strictly ascending keep lists are compacted by one
 /// forward pass (keep[i] >= i, so no source is overwritten before it is read); others
-/// are staged through the workspace. The ascending pass walks each head's kept rows
-/// source page by source page (one page-table load per page, rows already in place
-/// skipped, consecutive kept slots moved as one run, rows prefetched ahead). The pages of the sequences being compacted must not
-/// be shared with other sequences (copy them first with copy_pages).
+/// are staged through the workspace. The ascending pass moves the heads of a sequence
+/// through its source pages together (each page read once; one page-table load per page;
+/// rows already in place skipped; consecutive kept slots moved as one run; the next page
+/// prefetched), with non-temporal stores when the call moves at least
+/// kCompactStreamBytes. The pages of the sequences being compacted must not be shared
+/// with other sequences (copy them first with copy_pages).
 template <class T>
 Status compact_tokens(exec::Host ex, PagedKVView<T> view,
                       const std::int32_t* keep,      // [batch, Hkv, keep_stride]
@@ -296,41 +387,76 @@ Status compact_tokens(exec::Host ex, PagedKVView<T> view,
     return make_status(StatusCode::kInvalidArgument, "workspace of ", ws.bytes, " bytes too small");
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(dim);
   const std::size_t v_bytes = sizeof(T) * static_cast<std::size_t>(vdim);
-  // One (sequence, head) per item in either layout: heads choose their rows
-  // independently, and a head's pass walks its own kept rows page by page.
-  const std::int32_t ahead = detail::cpu::rows_ahead(bytes + v_bytes);
-  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * hkv;
+  // Items are (sequence, chunk of heads): the in-place pass moves a chunk's heads through
+  // the source pages together; chunks split the heads only to feed the threads (or past
+  // kCompactMaxHeads), and results never depend on the chunking.
+  const std::int32_t hpi =
+      detail::heads_per_item(ex, view.batch_size, hkv, detail::cpu::kCompactMaxHeads);
+  const std::int32_t chunks = hkv / hpi;
+  std::size_t total = 0;  // upper bound of the bytes moved, for the store kind
+  for (std::int32_t b = 0; b < view.batch_size; ++b)
+    total += static_cast<std::size_t>(num_keep[b]) * hkv * (bytes + v_bytes);
+  // Non-temporal stores for big passes, where stream_lines' preconditions hold for every
+  // run: whole 64-byte lines, 16-byte aligned rows (runs move forward by whole rows of a
+  // non-aliasing view, so dst <= src - 64 when they overlap).
+  auto aligned16 = [](std::int64_t elems) { return (elems * sizeof(T)) % 16 == 0; };
+  const bool stream =
+      detail::cpu::kCanStreamRows && total >= detail::cpu::kCompactStreamBytes &&
+      bytes % 64 == 0 && v_bytes % 64 == 0 &&
+      reinterpret_cast<std::uintptr_t>(view.k_data) % 16 == 0 &&
+      reinterpret_cast<std::uintptr_t>(view.v_data) % 16 == 0 &&
+      aligned16(view.k_stride_page) && aligned16(view.k_stride_token) &&
+      aligned16(view.k_stride_head) && aligned16(view.v_stride_page) &&
+      aligned16(view.v_stride_token) && aligned16(view.v_stride_head);
+  const std::int64_t items = static_cast<std::int64_t>(view.batch_size) * chunks;
   detail::parallel_for(ex, items, [&](std::int64_t begin, std::int64_t end, int worker) {
     T* kst = staging + static_cast<std::size_t>(worker) * slice;
     T* vst = kst + static_cast<std::size_t>(keep_stride) * dim;
     for (std::int64_t it = begin; it < end; ++it) {
-      const std::int32_t b = static_cast<std::int32_t>(it / hkv);
-      const std::int32_t h = static_cast<std::int32_t>(it % hkv);
+      const std::int32_t b = static_cast<std::int32_t>(it / chunks);
+      const std::int32_t h0 = static_cast<std::int32_t>(it % chunks) * hpi;
       const std::int32_t nk = num_keep[b];
       if (nk == 0) continue;
-      const std::int32_t* kl = keep + (static_cast<std::int64_t>(b) * hkv + h) * keep_stride;
-      bool ascending = true;
-      for (std::int32_t i = 1; i < nk && ascending; ++i) ascending = kl[i] > kl[i - 1];
-      if (ascending) {
-        detail::cpu::compact_head_ascending(view, b, h, kl, nk, ahead);
-        continue;
+      const std::int32_t* kb = keep + static_cast<std::int64_t>(b) * hkv * keep_stride;
+      // Heads with ascending lists move in one in-place pass; the others are staged.
+      std::int32_t asc_begin = h0, asc_end = h0;  // a run of ascending heads
+      auto flush = [&] {
+        if (asc_end == asc_begin) return;
+        if (stream)
+          detail::cpu::compact_heads_ascending(view, b, asc_begin, asc_end - asc_begin, kb,
+                                               keep_stride, nk, detail::cpu::StreamingRowMove{});
+        else
+          detail::cpu::compact_heads_ascending(view, b, asc_begin, asc_end - asc_begin, kb,
+                                               keep_stride, nk, detail::cpu::CachedRowMove{});
+      };
+      for (std::int32_t h = h0; h < h0 + hpi; ++h) {
+        const std::int32_t* kl = kb + static_cast<std::int64_t>(h) * keep_stride;
+        bool ascending = true;
+        for (std::int32_t i = 1; i < nk && ascending; ++i) ascending = kl[i] > kl[i - 1];
+        if (ascending) {
+          asc_end = h + 1;
+          continue;
+        }
+        flush();
+        asc_begin = asc_end = h + 1;
+        // Any order: stage the kept rows, then write them back in order.
+        detail::PageCursor cur;
+        for (std::int32_t i = 0; i < nk; ++i) {
+          cur.seek(view, b, kl[i]);
+          std::memcpy(kst + static_cast<std::size_t>(i) * dim,
+                      view.k_data + view.k_offset(cur.page, cur.slot, h), bytes);
+          std::memcpy(vst + static_cast<std::size_t>(i) * vdim,
+                      view.v_data + view.v_offset(cur.page, cur.slot, h), v_bytes);
+        }
+        for (std::int32_t i = 0; i < nk; ++i) {
+          cur.seek(view, b, i);
+          std::memcpy(view.k_data + view.k_offset(cur.page, cur.slot, h),
+                      kst + static_cast<std::size_t>(i) * dim, bytes);
+          std::memcpy(view.v_data + view.v_offset(cur.page, cur.slot, h),
+                      vst + static_cast<std::size_t>(i) * vdim, v_bytes);
+        }
       }
-      // Any order: stage the kept rows, then write them back in order.
-      detail::PageCursor cur;
-      for (std::int32_t i = 0; i < nk; ++i) {
-        cur.seek(view, b, kl[i]);
-        std::memcpy(kst + static_cast<std::size_t>(i) * dim,
-                    view.k_data + view.k_offset(cur.page, cur.slot, h), bytes);
-        std::memcpy(vst + static_cast<std::size_t>(i) * vdim,
-                    view.v_data + view.v_offset(cur.page, cur.slot, h), v_bytes);
-      }
-      for (std::int32_t i = 0; i < nk; ++i) {
-        cur.seek(view, b, i);
-        std::memcpy(view.k_data + view.k_offset(cur.page, cur.slot, h),
-                    kst + static_cast<std::size_t>(i) * dim, bytes);
-        std::memcpy(view.v_data + view.v_offset(cur.page, cur.slot, h),
-                    vst + static_cast<std::size_t>(i) * vdim, v_bytes);
-      }
+      flush();
     }
   });
   return Status::ok();
