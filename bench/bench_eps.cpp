@@ -159,7 +159,7 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
       for (int a = 0; a < m; ++a) z[a] += double(q[c]) * store.phi(0)[c * m + a];
     for (std::int32_t j = 0; j < np; ++j) {
       const std::int32_t r = store.record_of(0, j);
-      const sk::GroupBounds gb = sk::group_bounds(store, store.summary(0, r, 0), store.u1(0, r, 0), q.data(), qn, z.data());
+      const sk::GroupBounds gb = sk::group_bounds(store, 0, r, 0, q.data(), qn, z.data());
       ub[0][j] = gb.box_hi;
       ub[1][j] = std::min({gb.box_hi, gb.norm, gb.fd});
       ub[2][j] = gb.fd;
