@@ -65,6 +65,10 @@
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
 
+#if defined(__AVX__) || defined(__SSE2__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 namespace kvkit {
 namespace sketch {
 
@@ -247,6 +251,7 @@ class SketchStore {
     box_min_.assign(recs * hkv_ * d_, std::numeric_limits<float>::infinity());
     box_max_.assign(recs * hkv_ * d_, -std::numeric_limits<float>::infinity());
     max_norm_.assign(recs * hkv_, 0.f);
+    amax_norm_.assign(recs * hkv_, 0.f);
     u1_.assign(recs * hkv_ * d_, 0);
     rec_pages_.assign(recs * p_.group_pages, -1);
     rec_versions_.assign(recs * p_.group_pages, 0);
@@ -394,6 +399,9 @@ class SketchStore {
   const float* box_max(std::int32_t layer, std::int32_t h) const { return box_max_.data() + hrec(layer, h, 0) * d_; }
   /// max ‖k‖ of every record of (layer, kv head h): [max_groups] (rounded up to float).
   const float* max_norm(std::int32_t layer, std::int32_t h) const { return max_norm_.data() + hrec(layer, h, 0); }
+  /// ‖(max(|min_d|, |max_d|))_d‖₂ of every record of (layer, kv head h): [max_groups]
+  /// (rounded up; the box bound's rounding slack).
+  const float* box_amax_norm(std::int32_t layer, std::int32_t h) const { return amax_norm_.data() + hrec(layer, h, 0); }
   /// Records per layer (rows of box_min() / box_max() / max_norm()).
   std::int32_t max_groups() const { return cap_; }
 
@@ -456,6 +464,7 @@ class SketchStore {
       std::fill(box_max_.begin() + static_cast<std::ptrdiff_t>(hr * d_),
                 box_max_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_), -std::numeric_limits<float>::infinity());
       max_norm_[hr] = 0.f;
+      amax_norm_[hr] = 0.f;
       std::fill(u1_.begin() + static_cast<std::ptrdiff_t>(hr * d_), u1_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_),
                 std::int8_t{0});
     }
@@ -480,6 +489,12 @@ class SketchStore {
       bmax[c] = std::max(bmax[c], x);
     }
     s[lay_.sumsq] = detail::round_up_float(static_cast<double>(s[lay_.sumsq]) + nn);
+    double an = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c) {
+      const double a = std::max(std::fabs(static_cast<double>(bmin[c])), std::fabs(static_cast<double>(bmax[c])));
+      an += a * a;
+    }
+    amax_norm_[hr] = detail::round_up_float(std::sqrt(an) * (1 + 1e-12));
     max_norm_[hr] = std::max(max_norm_[hr], detail::round_up_float(std::sqrt(nn)));
     const float* ph = phi(h);
     for (std::int32_t a = 0; a < m; ++a) y[a] = 0.0;
@@ -600,6 +615,7 @@ class SketchStore {
   std::vector<float> data_;                 // [layers, Hkv, cap, layout.floats] FD, JL, 1-PC, scalars
   std::vector<float> box_min_, box_max_;    // [layers, Hkv, cap, d]
   std::vector<float> max_norm_;             // [layers, Hkv, cap]
+  std::vector<float> amax_norm_;            // [layers, Hkv, cap] ‖max(|min|, |max|)‖
   std::vector<std::int8_t> u1_;             // [layers, Hkv, cap, d]
   std::vector<std::int32_t> rec_pages_;     // [layers, cap, g] physical pages of the group
   std::vector<std::uint32_t> rec_versions_; // [layers, cap, g] their versions when summarised
@@ -631,80 +647,162 @@ inline double float_sum_slack(std::int32_t n) { return (n / 8 + 17) * 1.2e-7; }
 }  // namespace detail
 
 namespace detail {
+/// Eight float lanes (one AVX register, two SSE registers, or an array): the box bound's
+/// accumulators. Lane-wise IEEE mul / add / max / abs only, so every backend gives the
+/// same bits as the scalar loop.
+struct F8 {
+#if defined(__AVX__)
+  __m256 v;
+  static F8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static F8 set1(float x) { return {_mm256_set1_ps(x)}; }
+  static F8 zero() { return {_mm256_setzero_ps()}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  friend F8 operator+(F8 a, F8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend F8 operator*(F8 a, F8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static F8 max(F8 a, F8 b) { return {_mm256_max_ps(a.v, b.v)}; }  // a > b ? a : b
+  static F8 min(F8 a, F8 b) { return {_mm256_min_ps(a.v, b.v)}; }  // a < b ? a : b
+  static F8 abs(F8 a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
+#elif defined(__SSE2__) || defined(_M_X64)
+  __m128 lo, hi;
+  static F8 load(const float* p) { return {_mm_loadu_ps(p), _mm_loadu_ps(p + 4)}; }
+  static F8 set1(float x) { return {_mm_set1_ps(x), _mm_set1_ps(x)}; }
+  static F8 zero() { return {_mm_setzero_ps(), _mm_setzero_ps()}; }
+  void store(float* p) const {
+    _mm_storeu_ps(p, lo);
+    _mm_storeu_ps(p + 4, hi);
+  }
+  friend F8 operator+(F8 a, F8 b) { return {_mm_add_ps(a.lo, b.lo), _mm_add_ps(a.hi, b.hi)}; }
+  friend F8 operator*(F8 a, F8 b) { return {_mm_mul_ps(a.lo, b.lo), _mm_mul_ps(a.hi, b.hi)}; }
+  static F8 max(F8 a, F8 b) { return {_mm_max_ps(a.lo, b.lo), _mm_max_ps(a.hi, b.hi)}; }
+  static F8 min(F8 a, F8 b) { return {_mm_min_ps(a.lo, b.lo), _mm_min_ps(a.hi, b.hi)}; }
+  static F8 abs(F8 a) {
+    const __m128 m = _mm_set1_ps(-0.f);
+    return {_mm_andnot_ps(m, a.lo), _mm_andnot_ps(m, a.hi)};
+  }
+#else
+  float x[8];
+  static F8 load(const float* p) {
+    F8 r;
+    for (int j = 0; j < 8; ++j) r.x[j] = p[j];
+    return r;
+  }
+  static F8 set1(float s) {
+    F8 r;
+    for (float& e : r.x) e = s;
+    return r;
+  }
+  static F8 zero() { return set1(0.f); }
+  void store(float* p) const {
+    for (int j = 0; j < 8; ++j) p[j] = x[j];
+  }
+  friend F8 operator+(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] += b.x[j];
+    return a;
+  }
+  friend F8 operator*(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] *= b.x[j];
+    return a;
+  }
+  static F8 max(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] = a.x[j] > b.x[j] ? a.x[j] : b.x[j];
+    return a;
+  }
+  static F8 min(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] = a.x[j] < b.x[j] ? a.x[j] : b.x[j];
+    return a;
+  }
+  static F8 abs(F8 a) {
+    for (float& e : a.x) e = std::fabs(e);
+    return a;
+  }
+#endif
+};
+
 /// Box upper bounds of one group for NG queries at once (rows of q, stride ldq): for each
 /// query, Σ_d max(q_d·min_d, q_d·max_d) in float with 8 accumulators (lane j takes the
 /// channels c ≡ j mod 8, the tail c >= 8⌊d/8⌋ goes to lane 0), the lanes summed in double
-/// in lane order, plus float_sum_slack(d)·Σ_d max(|q_d·min_d|, |q_d·max_d|). Each query's
-/// arithmetic is the same for any NG, so the batched pre-pass and group_bounds agree bit
-/// for bit. Optionally the lower bound (Σ min, minus the slack) too.
+/// in lane order; the caller adds box_slack(). Each query's arithmetic is the same for any
+/// NG and any F8 backend, so the batched pre-pass and group_bounds agree bit for bit.
+/// With kLo also Σ_d min(q_d·min_d, q_d·max_d) (the lower bound before the slack).
 template <int NG, bool kLo>
 inline void box_bounds_block(const float* mn /* [d] */, const float* mx /* [d] */, std::int32_t d,
                              const float* q /* [NG, ldq] */, std::int32_t ldq, double* hi /* [NG] */,
-                             double* lo /* [NG] or nullptr */) {
-  float h8[NG][8], l8[NG][8], m8[NG][8];
-  for (int g = 0; g < NG; ++g)
-    for (int j = 0; j < 8; ++j) h8[g][j] = l8[g][j] = m8[g][j] = 0.f;
+                             double* lo /* [NG] when kLo */) {
+  F8 h8[NG], l8[NG];
+  for (int g = 0; g < NG; ++g) h8[g] = l8[g] = F8::zero();
   std::int32_t c = 0;
-  for (; c + 8 <= d; c += 8)
-    for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < 8; ++j) {
-        const float qq = q[g * ldq + c + j];
-        const float a = qq * mn[c + j], b = qq * mx[c + j];
-        h8[g][j] += a > b ? a : b;
-        if (kLo) l8[g][j] += a > b ? b : a;
-        const float aa = std::fabs(a), bb = std::fabs(b);
-        m8[g][j] += aa > bb ? aa : bb;
-      }
-  for (; c < d; ++c)
+  for (; c + 8 <= d; c += 8) {
+    const F8 vn = F8::load(mn + c), vx = F8::load(mx + c);
     for (int g = 0; g < NG; ++g) {
-      const float qq = q[g * ldq + c];
-      const float a = qq * mn[c], b = qq * mx[c];
-      h8[g][0] += a > b ? a : b;
-      if (kLo) l8[g][0] += a > b ? b : a;
-      const float aa = std::fabs(a), bb = std::fabs(b);
-      m8[g][0] += aa > bb ? aa : bb;
+      const F8 qq = F8::load(q + g * ldq + c);
+      const F8 a = qq * vn, b = qq * vx;
+      h8[g] = h8[g] + F8::max(a, b);
+      if (kLo) l8[g] = l8[g] + F8::min(b, a);  // a > b ? b : a
     }
-  const double sl = float_sum_slack(d);
-  for (int g = 0; g < NG; ++g) {
-    double h = 0, l = 0, m = 0;
-    for (int j = 0; j < 8; ++j) {
-      h += h8[g][j];
-      l += l8[g][j];
-      m += m8[g][j];
-    }
-    hi[g] = h + sl * m;
-    if (kLo) lo[g] = l - sl * m;
   }
+  for (int g = 0; g < NG; ++g) {
+    float h[8], l[8];
+    h8[g].store(h);
+    l8[g].store(l);
+    for (std::int32_t cc = c; cc < d; ++cc) {
+      const float qq = q[g * ldq + cc];
+      const float a = qq * mn[cc], b = qq * mx[cc];
+      h[0] += a > b ? a : b;
+      if (kLo) l[0] += a > b ? b : a;
+    }
+    double hs = 0, ls = 0;
+    for (int j = 0; j < 8; ++j) {
+      hs += h[j];
+      ls += l[j];
+    }
+    hi[g] = hs;
+    if (kLo) lo[g] = ls;
+  }
+}
+
+/// Rounding slack of box_bounds_block's sums: float_sum_slack(d)·Σ_d |q_d|·max(|min_d|,
+/// |max_d|) <= float_sum_slack(d)·‖q‖·‖a‖ (Cauchy–Schwarz; a_d = max(|min_d|, |max_d|),
+/// ‖a‖ stored per group rounded up), so the kernel needs no magnitude accumulator.
+inline double box_slack(std::int32_t d, double qnorm, float amax_norm) {
+  return float_sum_slack(d) * qnorm * static_cast<double>(amax_norm) * (1 + 1e-12);
 }
 
 /// Certified upper bounds min(box, ‖q‖·max‖k‖) of the groups recs[0..n) of one (layer,
 /// kv head) for G queries, reading each group's min/max once for all G queries:
 /// out[g * ldo + i] for query g (row g of q, stride d) and group i. Same arithmetic as
-/// group_bounds (box_bounds_block; norm = ‖q‖·max‖k‖·(1 + 1e-12)).
+/// group_bounds (box_bounds_block + box_slack; norm = ‖q‖·max‖k‖·(1 + 1e-12)).
 inline void box_norm_bounds(const float* bmin /* [groups, d] */, const float* bmax /* [groups, d] */,
-                            const float* max_norm /* [groups] */, const std::int32_t* recs /* [n] */,
+                            const float* max_norm /* [groups] */, const float* amax_norm /* [groups] */,
+                            const std::int32_t* recs /* [n] */,
                             std::int32_t n, std::int32_t d, const float* q /* [G, d] */,
                             const double* qnorm /* [G] */, std::int32_t G, double* out /* [G, ldo] */,
                             std::int64_t ldo) {
+#if defined(__AVX__)
+  constexpr bool kBlock4 = true;  // 12 accumulator registers of 16
+#else
+  constexpr bool kBlock4 = false;
+#endif
   double hi[4];
   for (std::int32_t i = 0; i < n; ++i) {
     const std::size_t r = static_cast<std::size_t>(recs[i]);
     const float* mn = bmin + r * static_cast<std::size_t>(d);
     const float* mx = bmax + r * static_cast<std::size_t>(d);
     std::int32_t g = 0;
-    for (; g + 4 <= G; g += 4) {
+    for (; kBlock4 && g + 4 <= G; g += 4) {
       box_bounds_block<4, false>(mn, mx, d, q + static_cast<std::size_t>(g) * d, d, hi, nullptr);
       for (int k = 0; k < 4; ++k)
-        out[(g + k) * ldo + i] = std::min(hi[k], qnorm[g + k] * max_norm[r] * (1 + 1e-12));
+        out[(g + k) * ldo + i] = std::min(hi[k] + box_slack(d, qnorm[g + k], amax_norm[r]),
+                                          qnorm[g + k] * max_norm[r] * (1 + 1e-12));
     }
     for (; g + 2 <= G; g += 2) {
       box_bounds_block<2, false>(mn, mx, d, q + static_cast<std::size_t>(g) * d, d, hi, nullptr);
       for (int k = 0; k < 2; ++k)
-        out[(g + k) * ldo + i] = std::min(hi[k], qnorm[g + k] * max_norm[r] * (1 + 1e-12));
+        out[(g + k) * ldo + i] = std::min(hi[k] + box_slack(d, qnorm[g + k], amax_norm[r]),
+                                          qnorm[g + k] * max_norm[r] * (1 + 1e-12));
     }
     for (; g < G; ++g) {
       box_bounds_block<1, false>(mn, mx, d, q + static_cast<std::size_t>(g) * d, d, hi, nullptr);
-      out[g * ldo + i] = std::min(hi[0], qnorm[g] * max_norm[r] * (1 + 1e-12));
+      out[g * ldo + i] = std::min(hi[0] + box_slack(d, qnorm[g], amax_norm[r]), qnorm[g] * max_norm[r] * (1 + 1e-12));
     }
   }
 }
@@ -723,7 +821,10 @@ inline GroupBounds group_bounds(const SketchStore& store, std::int32_t layer, st
   GroupBounds g;
   const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(d);
   detail::box_bounds_block<1, true>(store.box_min(layer, h) + row, store.box_max(layer, h) + row, d, q, d, &g.box_hi,
-                              &g.box_lo);
+                                    &g.box_lo);
+  const double slack = detail::box_slack(d, qnorm, store.box_amax_norm(layer, h)[r]);
+  g.box_hi += slack;
+  g.box_lo -= slack;
   g.norm = qnorm * store.max_norm(layer, h)[r] * (1 + 1e-12);
   if ((which & (kBoundsFD | kBoundsOnePC)) == 0 && (which & kBoundsJL) == 0) return g;
   std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
@@ -821,7 +922,7 @@ inline double tail_bound(const Mass128& t) { return t.zero() ? 0.0 : t.value() *
 
 /// Result of certified_walk for one (sequence, query head).
 struct WalkResult {
-  std::int32_t visited = 0;  // groups taken: out[0..visited), by rank
+  std::int32_t visited = 0;  // groups taken: out[0..visited)
   std::int32_t scored = 0;   // groups whose keys were read (mass() calls)
   double omitted = 0;        // omitted-mass bound T/(T + S) at the stop
 };
@@ -845,7 +946,8 @@ struct WalkResult {
 /// next possible stop is lim with nothing left), then a heap walks the rest; only visited
 /// ranks are sorted. Its early jumps skip exact tests that cannot pass (mass <= bound and
 /// the factor f cover the double rounding of S). mass(pos): the group's exact relative
-/// mass (<= its bound). ord, out: [n] workspace; out[0..visited) = visited positions by rank.
+/// mass (<= its bound). ord, out: [n] workspace; out[0..visited) = the visited positions,
+/// the scored ones first and by rank, the unscored ones after them in no particular order.
 template <class MassFn>
 WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */, Mass128 W, std::int32_t n,
                           double s0, double eps, std::int32_t lim, std::int32_t score_budget,
@@ -906,8 +1008,7 @@ WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */
   // Budget exhausted: the top lim − cnt of ord[rb..re) are visited unscored.
   auto give_up = [&](std::int32_t rb, std::int32_t re, Mass128 T) {
     const std::int32_t k = lim - cnt;
-    std::nth_element(ord + rb, ord + rb + k, ord + re, before);
-    std::sort(ord + rb, ord + rb + k, before);
+    if (rb + k < re) std::nth_element(ord + rb, ord + rb + k, ord + re, before);
     for (std::int32_t p = rb; p < rb + k; ++p) {
       out[cnt++] = ord[p];
       T.sub(w[ord[p]]);
@@ -923,24 +1024,24 @@ WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */
   // Phase 1: the first rank where a stop is possible at all.
   Mass128 T = W;
   std::int32_t a = jump(0, s0, false, T);
-  std::sort(ord, ord + a, before);
-  if (a == lim) {  // visited unscored
+  if (a == lim) {  // visited unscored (in no particular order)
     for (std::int32_t p = 0; p < a; ++p) out[cnt++] = ord[p];
     return finish(T);
   }
   if (over_budget(a)) return give_up(0, n, W);
+  std::sort(ord, ord + a, before);
   for (std::int32_t p = 0; p < a; ++p) out[cnt++] = ord[p];
   score(0, a);
   if (cnt >= lim || tail_bound(T) <= eps * S) return finish(T);
   // Phase 2: rank cnt is visited (its test failed); jump to the next possible stop.
   const Mass128 Ti = T;
   a = jump(cnt, S, true, T);
-  std::sort(ord + cnt, ord + a, before);
   if (a == lim && lim == n) {  // everything visited, nothing left to bound
     for (std::int32_t p = cnt; p < a; ++p) out[cnt++] = ord[p];
     return finish(T);
   }
   if (over_budget(a - cnt)) return give_up(cnt, n, Ti);
+  std::sort(ord + cnt, ord + a, before);
   const std::int32_t from = cnt;
   for (std::int32_t p = cnt; p < a; ++p) out[cnt++] = ord[p];
   score(from, cnt);
@@ -1060,7 +1161,8 @@ class SketchSelector {
             qn_[gq] = std::sqrt(qn);
           }
           // min(box, norm) of every candidate for every query head: one read of the box.
-          detail::box_norm_bounds(st.box_min(layer, h), st.box_max(layer, h), st.max_norm(layer, h), crec_.data(),
+          detail::box_norm_bounds(st.box_min(layer, h), st.box_max(layer, h), st.max_norm(layer, h),
+                                  st.box_amax_norm(layer, h), crec_.data(),
                                   nc, d, qbuf_.data(), qn_.data(), grp, cert_.data(), nc);
           for (std::int32_t gq = 0; gq < grp; ++gq) select_head(layer, view, b, h, gq, num_qo_heads, nc, len, scale,
                                                                 log_full, need, t);
