@@ -6,7 +6,7 @@
 // Summaries of one group of keys k_1..k_n (d channels), updated token by token as K is
 // written (each key read once, when it lands; a group is re-read only after a kRewrite):
 //   box      min_d, max_d per channel                         8d bytes
-//   scalars  Σ‖k‖², max‖k‖                                     8 bytes
+//   scalars  Σ‖k‖², max‖k‖, ‖(max(|min_d|, |max_d|))_d‖        12 bytes
 //   JL       G = Σ y yᵀ, y = Φᵀk, Φ ∈ {±1}^{d×m} per kv head     4m² bytes (seed §7, §17)
 //   FD       centre c (the group's first key), Frequent Directions rows B (ℓ×d) of the
 //            centred keys K_c = K − 1cᵀ and the shrinkage Δ = Σδ, so that
@@ -38,9 +38,22 @@
 // top_pages caps the pages visited beyond the always-visited ones (when the cap cuts,
 // the ε guarantee is void but the reported bound still holds). GQA: a kv head reads the
 // union of its query heads' groups. Per (layer, kv head) the pre-pass can be switched off
-// (all pages read). The pre-pass reads summaries of every group and K of visited groups.
+// (all pages read). The pre-pass reads summaries of every group and K of the visited
+// groups it must score. The exact rule (tail sums as 128-bit integers, so the decisions do
+// not depend on summation order; ties by logical position) is detail::certified_walk;
+// it is reached by quickselect on the tail sums, scoring a group only when a later
+// decision needs its mass (when no stop is possible before the cap, nothing is scored).
+// score_budget > 0 caps the groups scored per (sequence, query head): past it, the groups
+// left up to the cap are visited unscored (a superset, the bound still certified).
 //
-// Storage: a group is identified by the physical id of its first page; its record keeps
+// Cost per (sequence, kv head): one pass over the box arrays for all of the head's query
+// heads (detail::box_norm_bounds: 8 float lanes, mul / max / add per channel and query),
+// one exp per group and query head, an O(groups) selection, plus the K of scored groups.
+//
+// Storage: a group is identified by the physical id of its first page; its record r owns
+// row r of each per-(layer, kv head) component array: box min / max [groups, d], max‖k‖
+// and ‖max(|min|, |max|)‖ [groups] (what every pre-pass reads, contiguous), and the FD /
+// JL / 1-PC floats [groups, layout().floats] and u₁ [groups, d]. A record also keeps
 // the physical ids of its pages and their versions. The host bumps a page's version on
 // every event that changes its contents (kRewrite: compaction, truncation, copies;
 // allocation) and drops a record when its first page is freed; a record whose pages or
@@ -132,7 +145,7 @@ struct SummaryBytes {
 inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::int32_t l) {
   SummaryBytes b;
   b.box = 8LL * head_dim;
-  b.scalars = 8;
+  b.scalars = 12;  // Σ‖k‖², max‖k‖, ‖max(|min|, |max|)‖ (the box bound's rounding slack)
   b.jl = 4LL * m * m;
   b.fd = 4LL * l * head_dim + 4LL * head_dim + 12;  // rows, centre, Δ, Σ‖k-c‖², rows used
   b.one_pc = head_dim + 12;
