@@ -6,7 +6,7 @@
 // Summaries of one group of keys k_1..k_n (d channels), updated token by token as K is
 // written (each key read once, when it lands; a group is re-read only after a kRewrite):
 //   box      min_d, max_d per channel                         8d bytes
-//   scalars  Σ‖k‖², max‖k‖                                     8 bytes
+//   scalars  Σ‖k‖², max‖k‖, ‖(max(|min_d|, |max_d|))_d‖        12 bytes
 //   JL       G = Σ y yᵀ, y = Φᵀk, Φ ∈ {±1}^{d×m} per kv head     4m² bytes (seed §7, §17)
 //   FD       centre c (the group's first key), Frequent Directions rows B (ℓ×d) of the
 //            centred keys K_c = K − 1cᵀ and the shrinkage Δ = Σδ, so that
@@ -38,9 +38,22 @@
 // top_pages caps the pages visited beyond the always-visited ones (when the cap cuts,
 // the ε guarantee is void but the reported bound still holds). GQA: a kv head reads the
 // union of its query heads' groups. Per (layer, kv head) the pre-pass can be switched off
-// (all pages read). The pre-pass reads summaries of every group and K of visited groups.
+// (all pages read). The pre-pass reads summaries of every group and K of the visited
+// groups it must score. The exact rule (tail sums as 128-bit integers, so the decisions do
+// not depend on summation order; ties by logical position) is detail::certified_walk;
+// it is reached by quickselect on the tail sums, scoring a group only when a later
+// decision needs its mass (when no stop is possible before the cap, nothing is scored).
+// score_budget > 0 caps the groups scored per (sequence, query head): past it, the groups
+// left up to the cap are visited unscored (a superset, the bound still certified).
 //
-// Storage: a group is identified by the physical id of its first page; its record keeps
+// Cost per (sequence, kv head): one pass over the box arrays for all of the head's query
+// heads (detail::box_norm_bounds: 8 float lanes, mul / max / add per channel and query),
+// one exp per group and query head, an O(groups) selection, plus the K of scored groups.
+//
+// Storage: a group is identified by the physical id of its first page; its record r owns
+// row r of each per-(layer, kv head) component array: box min / max [groups, d], max‖k‖
+// and ‖max(|min|, |max|)‖ [groups] (what every pre-pass reads, contiguous), and the FD /
+// JL / 1-PC floats [groups, layout().floats] and u₁ [groups, d]. A record also keeps
 // the physical ids of its pages and their versions. The host bumps a page's version on
 // every event that changes its contents (kRewrite: compaction, truncation, copies;
 // allocation) and drops a record when its first page is freed; a record whose pages or
@@ -64,6 +77,10 @@
 #include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
+
+#if defined(__AVX__) || defined(__SSE2__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace kvkit {
 namespace sketch {
@@ -102,6 +119,8 @@ struct SketchParams {
   std::int32_t group_pages = 1;  // g >= 1 pages per group
   std::int32_t last_n = 1;     // groups always visited, >= 1
   std::int32_t top_pages = 0;  // cap on pages visited beyond the always-visited ones; 0: none
+  std::int32_t score_budget = 0;  // groups scored exactly per (sequence, query head) before the
+                                  // rest up to the cap is visited unscored; 0: no limit (the ε rule)
   std::uint64_t seed = 0x5eed5eedULL;  // Φ
   std::vector<std::uint8_t> head_on;  // [num_layers * num_kv_heads] 0: read all pages; empty: all on
 
@@ -112,6 +131,7 @@ struct SketchParams {
     KVKIT_CHECK(fd_rows >= 1 && fd_rows <= 64, "kvkit: sketch FD rows l must be in [1, 64], got ", fd_rows);
     KVKIT_CHECK(group_pages >= 1, "kvkit: sketch group size (pages) must be >= 1, got ", group_pages);
     KVKIT_CHECK(last_n >= 1, "kvkit: sketch last_n must be >= 1, got ", last_n);
+    KVKIT_CHECK(score_budget >= 0, "kvkit: sketch score_budget must be >= 0 (0: no limit), got ", score_budget);
     KVKIT_CHECK(top_pages >= 0, "kvkit: sketch top_pages must be >= 0 (0: no cap), got ", top_pages);
     KVKIT_CHECK(static_cast<int>(method) <= 3, "kvkit: unknown sketch method ", static_cast<int>(method));
   }
@@ -125,7 +145,7 @@ struct SummaryBytes {
 inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::int32_t l) {
   SummaryBytes b;
   b.box = 8LL * head_dim;
-  b.scalars = 8;
+  b.scalars = 12;  // Σ‖k‖², max‖k‖, ‖max(|min|, |max|)‖ (the box bound's rounding slack)
   b.jl = 4LL * m * m;
   b.fd = 4LL * l * head_dim + 4LL * head_dim + 12;  // rows, centre, Δ, Σ‖k-c‖², rows used
   b.one_pc = head_dim + 12;
@@ -138,6 +158,7 @@ struct SketchTelemetry {
   std::int64_t pages_visited = 0;     // pages in the subsets
   std::int64_t bytes_kv_read_est = 0; // K+V bytes of the visited tokens
   std::int64_t summaries_rebuilt = 0; // groups re-read from the view by sync()
+  std::int64_t groups_scored = 0;     // (group, query head) pairs whose keys select() read exactly
   double prepass_seconds = 0;         // select() wall time
   double certified_omitted_max = 0;   // max over (sequence, query head) of the omitted-mass bound
   void add(const SketchTelemetry& t) {
@@ -145,6 +166,7 @@ struct SketchTelemetry {
     pages_visited += t.pages_visited;
     bytes_kv_read_est += t.bytes_kv_read_est;
     summaries_rebuilt += t.summaries_rebuilt;
+    groups_scored += t.groups_scored;
     prepass_seconds += t.prepass_seconds;
     certified_omitted_max = std::max(certified_omitted_max, t.certified_omitted_max);
   }
@@ -205,10 +227,11 @@ inline float round_up_float(double x) {
 /// without a record is always visited.
 class SketchStore {
  public:
-  /// Offsets (in floats) of one head's summary inside a record.
+  /// Offsets (in floats) of one head's FD / JL / 1-PC summary inside a record (the box and
+  /// max ‖k‖, which every pre-pass reads, live in their own arrays: box_min() etc.).
   struct Layout {
-    std::int32_t box_min = 0, box_max = 0, jl = 0, fd = 0, center = 0, sumsq = 0, maxnorm = 0, delta = 0,
-                 fd_used = 0, csumsq = 0, lambda1 = 0, resid = 0, u1_scale = 0, floats = 0;
+    std::int32_t jl = 0, fd = 0, center = 0, sumsq = 0, delta = 0, fd_used = 0, csumsq = 0, lambda1 = 0,
+                 resid = 0, u1_scale = 0, floats = 0;
   };
 
   SketchStore(const SketchParams& p, std::int32_t num_layers, std::int32_t num_kv_heads,
@@ -230,16 +253,18 @@ class SketchStore {
     const std::int32_t m = p_.jl_dim, l = p_.fd_rows;
     Layout& L = lay_;
     std::int32_t o = 0;
-    L.box_min = o; o += d_;
-    L.box_max = o; o += d_;
     L.jl = o; o += m * m;
     L.fd = o; o += l * d_;
     L.center = o; o += d_;
-    L.sumsq = o++; L.maxnorm = o++; L.delta = o++; L.fd_used = o++; L.csumsq = o++;
+    L.sumsq = o++; L.delta = o++; L.fd_used = o++; L.csumsq = o++;
     L.lambda1 = o++; L.resid = o++; L.u1_scale = o++;
     L.floats = o;
     const std::size_t recs = static_cast<std::size_t>(layers_) * cap_;
     data_.assign(recs * hkv_ * L.floats, 0.f);
+    box_min_.assign(recs * hkv_ * d_, std::numeric_limits<float>::infinity());
+    box_max_.assign(recs * hkv_ * d_, -std::numeric_limits<float>::infinity());
+    max_norm_.assign(recs * hkv_, 0.f);
+    amax_norm_.assign(recs * hkv_, 0.f);
     u1_.assign(recs * hkv_ * d_, 0);
     rec_pages_.assign(recs * p_.group_pages, -1);
     rec_versions_.assign(recs * p_.group_pages, 0);
@@ -374,13 +399,24 @@ class SketchStore {
     }
     return true;
   }
-  /// Head h's summary floats of record r (see layout()).
+  /// Head h's FD / JL / 1-PC summary floats of record r (see layout()).
   const float* summary(std::int32_t layer, std::int32_t r, std::int32_t h) const {
-    return data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+    return data_.data() + hrec(layer, h, r) * static_cast<std::size_t>(lay_.floats);
   }
   const std::int8_t* u1(std::int32_t layer, std::int32_t r, std::int32_t h) const {
-    return u1_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(d_);
+    return u1_.data() + hrec(layer, h, r) * static_cast<std::size_t>(d_);
   }
+  /// Per-channel box of every record of (layer, kv head h): [max_groups, d] each, record r
+  /// at row r (contiguous, so the pre-pass streams them; unused rows hold ±inf).
+  const float* box_min(std::int32_t layer, std::int32_t h) const { return box_min_.data() + hrec(layer, h, 0) * d_; }
+  const float* box_max(std::int32_t layer, std::int32_t h) const { return box_max_.data() + hrec(layer, h, 0) * d_; }
+  /// max ‖k‖ of every record of (layer, kv head h): [max_groups] (rounded up to float).
+  const float* max_norm(std::int32_t layer, std::int32_t h) const { return max_norm_.data() + hrec(layer, h, 0); }
+  /// ‖(max(|min_d|, |max_d|))_d‖₂ of every record of (layer, kv head h): [max_groups]
+  /// (rounded up; the box bound's rounding slack).
+  const float* box_amax_norm(std::int32_t layer, std::int32_t h) const { return amax_norm_.data() + hrec(layer, h, 0); }
+  /// Records per layer (rows of box_min() / box_max() / max_norm()).
+  std::int32_t max_groups() const { return cap_; }
 
   /// Summarises a group directly from keys (tests, benchmarks): record for `key` in
   /// `layer`, head h gets keys[0..n) (rows of d floats, stride `stride`). The record counts
@@ -407,6 +443,10 @@ class SketchStore {
   std::size_t rec(std::int32_t layer, std::int32_t r) const {
     return static_cast<std::size_t>(layer) * cap_ + static_cast<std::size_t>(r);
   }
+  // Index of (layer, head h, record r) in the per-head arrays [layers, Hkv, cap, ...].
+  std::size_t hrec(std::int32_t layer, std::int32_t h, std::int32_t r) const {
+    return (static_cast<std::size_t>(layer) * hkv_ + static_cast<std::size_t>(h)) * cap_ + static_cast<std::size_t>(r);
+  }
   std::int32_t take(std::int32_t layer, std::int32_t key) {
     auto& fl = free_[static_cast<std::size_t>(layer)];
     if (fl.empty()) return -1;
@@ -429,19 +469,27 @@ class SketchStore {
     const std::size_t ri = rec(layer, r);
     rec_count_[ri] = 0;
     for (std::int32_t h = 0; h < hkv_; ++h) {
-      float* s = data_.data() + (ri * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+      const std::size_t hr = hrec(layer, h, r);
+      float* s = data_.data() + hr * static_cast<std::size_t>(lay_.floats);
       std::fill(s, s + lay_.floats, 0.f);
-      std::fill(s + lay_.box_min, s + lay_.box_min + d_, std::numeric_limits<float>::infinity());
-      std::fill(s + lay_.box_max, s + lay_.box_max + d_, -std::numeric_limits<float>::infinity());
-      std::fill(u1_.begin() + static_cast<std::ptrdiff_t>((ri * hkv_ + h) * d_),
-                u1_.begin() + static_cast<std::ptrdiff_t>((ri * hkv_ + h + 1) * d_), std::int8_t{0});
+      std::fill(box_min_.begin() + static_cast<std::ptrdiff_t>(hr * d_),
+                box_min_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_), std::numeric_limits<float>::infinity());
+      std::fill(box_max_.begin() + static_cast<std::ptrdiff_t>(hr * d_),
+                box_max_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_), -std::numeric_limits<float>::infinity());
+      max_norm_[hr] = 0.f;
+      amax_norm_[hr] = 0.f;
+      std::fill(u1_.begin() + static_cast<std::ptrdiff_t>(hr * d_), u1_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_),
+                std::int8_t{0});
     }
   }
 
   // One key into head h's summaries of record r: box, scalars, JL Gram, FD.
   template <class T>
   void add_key(std::int32_t layer, std::int32_t r, std::int32_t h, const T* kp, bool first) {
-    float* s = data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
+    const std::size_t hr = hrec(layer, h, r);
+    float* s = data_.data() + hr * static_cast<std::size_t>(lay_.floats);
+    float* bmin = box_min_.data() + hr * d_;
+    float* bmax = box_max_.data() + hr * d_;
     const std::int32_t m = p_.jl_dim, l = p_.fd_rows;
     double* k = scratch_.data();  // [d]
     double* y = k + d_;           // [m]
@@ -450,11 +498,17 @@ class SketchStore {
       const float x = to_float(kp[c]);
       k[c] = x;
       nn += static_cast<double>(x) * x;
-      s[lay_.box_min + c] = std::min(s[lay_.box_min + c], x);
-      s[lay_.box_max + c] = std::max(s[lay_.box_max + c], x);
+      bmin[c] = std::min(bmin[c], x);
+      bmax[c] = std::max(bmax[c], x);
     }
     s[lay_.sumsq] = detail::round_up_float(static_cast<double>(s[lay_.sumsq]) + nn);
-    s[lay_.maxnorm] = std::max(s[lay_.maxnorm], detail::round_up_float(std::sqrt(nn)));
+    double an = 0.0;
+    for (std::int32_t c = 0; c < d_; ++c) {
+      const double a = std::max(std::fabs(static_cast<double>(bmin[c])), std::fabs(static_cast<double>(bmax[c])));
+      an += a * a;
+    }
+    amax_norm_[hr] = detail::round_up_float(std::sqrt(an) * (1 + 1e-12));
+    max_norm_[hr] = std::max(max_norm_[hr], detail::round_up_float(std::sqrt(nn)));
     const float* ph = phi(h);
     for (std::int32_t a = 0; a < m; ++a) y[a] = 0.0;
     for (std::int32_t c = 0; c < d_; ++c)
@@ -529,8 +583,8 @@ class SketchStore {
   // 1-PC from the FD rows: u₁ = top right singular vector of B (int8 + scale), λ₁ = σ₁²,
   // residual r² = Σ‖k‖² − λ₁.
   void refresh_one_pc(std::int32_t layer, std::int32_t r, std::int32_t h) {
-    float* s = data_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(lay_.floats);
-    std::int8_t* u = u1_.data() + (rec(layer, r) * hkv_ + h) * static_cast<std::size_t>(d_);
+    float* s = data_.data() + hrec(layer, h, r) * static_cast<std::size_t>(lay_.floats);
+    std::int8_t* u = u1_.data() + hrec(layer, h, r) * static_cast<std::size_t>(d_);
     const std::int32_t n = static_cast<std::int32_t>(s[lay_.fd_used]);
     const float* B = s + lay_.fd;
     if (n == 0) return;
@@ -571,8 +625,11 @@ class SketchStore {
   SketchParams p_;
   std::int32_t layers_, hkv_, d_, page_size_, num_pages_, cap_ = 0;
   Layout lay_;
-  std::vector<float> data_;                 // [layers, cap, Hkv, layout.floats]
-  std::vector<std::int8_t> u1_;             // [layers, cap, Hkv, d]
+  std::vector<float> data_;                 // [layers, Hkv, cap, layout.floats] FD, JL, 1-PC, scalars
+  std::vector<float> box_min_, box_max_;    // [layers, Hkv, cap, d]
+  std::vector<float> max_norm_;             // [layers, Hkv, cap]
+  std::vector<float> amax_norm_;            // [layers, Hkv, cap] ‖max(|min|, |max|)‖
+  std::vector<std::int8_t> u1_;             // [layers, Hkv, cap, d]
   std::vector<std::int32_t> rec_pages_;     // [layers, cap, g] physical pages of the group
   std::vector<std::uint32_t> rec_versions_; // [layers, cap, g] their versions when summarised
   std::vector<std::int32_t> rec_count_;     // [layers, cap] tokens summarised
@@ -602,42 +659,186 @@ namespace detail {
 inline double float_sum_slack(std::int32_t n) { return (n / 8 + 17) * 1.2e-7; }
 }  // namespace detail
 
-/// Bounds of head h's summary `s` (layout L of `store`) for query q (float, [d]); the
-/// box in float with 8 accumulators (vectorised) plus its rounding slack.
-inline GroupBounds group_bounds(const SketchStore& store, const float* s, const std::int8_t* u1,
+namespace detail {
+/// Eight float lanes (one AVX register, two SSE registers, or an array): the box bound's
+/// accumulators. Lane-wise IEEE mul / add / max / abs only, so every backend gives the
+/// same bits as the scalar loop.
+struct F8 {
+#if defined(__AVX__)
+  __m256 v;
+  static F8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static F8 set1(float x) { return {_mm256_set1_ps(x)}; }
+  static F8 zero() { return {_mm256_setzero_ps()}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  friend F8 operator+(F8 a, F8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend F8 operator*(F8 a, F8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static F8 max(F8 a, F8 b) { return {_mm256_max_ps(a.v, b.v)}; }  // a > b ? a : b
+  static F8 min(F8 a, F8 b) { return {_mm256_min_ps(a.v, b.v)}; }  // a < b ? a : b
+  static F8 abs(F8 a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
+#elif defined(__SSE2__) || defined(_M_X64)
+  __m128 lo, hi;
+  static F8 load(const float* p) { return {_mm_loadu_ps(p), _mm_loadu_ps(p + 4)}; }
+  static F8 set1(float x) { return {_mm_set1_ps(x), _mm_set1_ps(x)}; }
+  static F8 zero() { return {_mm_setzero_ps(), _mm_setzero_ps()}; }
+  void store(float* p) const {
+    _mm_storeu_ps(p, lo);
+    _mm_storeu_ps(p + 4, hi);
+  }
+  friend F8 operator+(F8 a, F8 b) { return {_mm_add_ps(a.lo, b.lo), _mm_add_ps(a.hi, b.hi)}; }
+  friend F8 operator*(F8 a, F8 b) { return {_mm_mul_ps(a.lo, b.lo), _mm_mul_ps(a.hi, b.hi)}; }
+  static F8 max(F8 a, F8 b) { return {_mm_max_ps(a.lo, b.lo), _mm_max_ps(a.hi, b.hi)}; }
+  static F8 min(F8 a, F8 b) { return {_mm_min_ps(a.lo, b.lo), _mm_min_ps(a.hi, b.hi)}; }
+  static F8 abs(F8 a) {
+    const __m128 m = _mm_set1_ps(-0.f);
+    return {_mm_andnot_ps(m, a.lo), _mm_andnot_ps(m, a.hi)};
+  }
+#else
+  float x[8];
+  static F8 load(const float* p) {
+    F8 r;
+    for (int j = 0; j < 8; ++j) r.x[j] = p[j];
+    return r;
+  }
+  static F8 set1(float s) {
+    F8 r;
+    for (float& e : r.x) e = s;
+    return r;
+  }
+  static F8 zero() { return set1(0.f); }
+  void store(float* p) const {
+    for (int j = 0; j < 8; ++j) p[j] = x[j];
+  }
+  friend F8 operator+(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] += b.x[j];
+    return a;
+  }
+  friend F8 operator*(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] *= b.x[j];
+    return a;
+  }
+  static F8 max(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] = a.x[j] > b.x[j] ? a.x[j] : b.x[j];
+    return a;
+  }
+  static F8 min(F8 a, F8 b) {
+    for (int j = 0; j < 8; ++j) a.x[j] = a.x[j] < b.x[j] ? a.x[j] : b.x[j];
+    return a;
+  }
+  static F8 abs(F8 a) {
+    for (float& e : a.x) e = std::fabs(e);
+    return a;
+  }
+#endif
+};
+
+/// Box upper bounds of one group for NG queries at once (rows of q, stride ldq): for each
+/// query, Σ_d max(q_d·min_d, q_d·max_d) in float with 8 accumulators (lane j takes the
+/// channels c ≡ j mod 8, the tail c >= 8⌊d/8⌋ goes to lane 0), the lanes summed in double
+/// in lane order; the caller adds box_slack(). Each query's arithmetic is the same for any
+/// NG and any F8 backend, so the batched pre-pass and group_bounds agree bit for bit.
+/// With kLo also Σ_d min(q_d·min_d, q_d·max_d) (the lower bound before the slack).
+template <int NG, bool kLo>
+inline void box_bounds_block(const float* mn /* [d] */, const float* mx /* [d] */, std::int32_t d,
+                             const float* q /* [NG, ldq] */, std::int32_t ldq, double* hi /* [NG] */,
+                             double* lo /* [NG] when kLo */) {
+  F8 h8[NG], l8[NG];
+  for (int g = 0; g < NG; ++g) h8[g] = l8[g] = F8::zero();
+  std::int32_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const F8 vn = F8::load(mn + c), vx = F8::load(mx + c);
+    for (int g = 0; g < NG; ++g) {
+      const F8 qq = F8::load(q + g * ldq + c);
+      const F8 a = qq * vn, b = qq * vx;
+      h8[g] = h8[g] + F8::max(a, b);
+      if (kLo) l8[g] = l8[g] + F8::min(b, a);  // a > b ? b : a
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    float h[8], l[8];
+    h8[g].store(h);
+    l8[g].store(l);
+    for (std::int32_t cc = c; cc < d; ++cc) {
+      const float qq = q[g * ldq + cc];
+      const float a = qq * mn[cc], b = qq * mx[cc];
+      h[0] += a > b ? a : b;
+      if (kLo) l[0] += a > b ? b : a;
+    }
+    double hs = 0, ls = 0;
+    for (int j = 0; j < 8; ++j) {
+      hs += h[j];
+      ls += l[j];
+    }
+    hi[g] = hs;
+    if (kLo) lo[g] = ls;
+  }
+}
+
+/// Rounding slack of box_bounds_block's sums: float_sum_slack(d)·Σ_d |q_d|·max(|min_d|,
+/// |max_d|) <= float_sum_slack(d)·‖q‖·‖a‖ (Cauchy–Schwarz; a_d = max(|min_d|, |max_d|),
+/// ‖a‖ stored per group rounded up), so the kernel needs no magnitude accumulator.
+inline double box_slack(std::int32_t d, double qnorm, float amax_norm) {
+  return float_sum_slack(d) * qnorm * static_cast<double>(amax_norm) * (1 + 1e-12);
+}
+
+/// Certified upper bounds min(box, ‖q‖·max‖k‖) of the groups recs[0..n) of one (layer,
+/// kv head) for G queries, reading each group's min/max once for all G queries:
+/// out[g * ldo + i] for query g (row g of q, stride d) and group i. Same arithmetic as
+/// group_bounds (box_bounds_block + box_slack; norm = ‖q‖·max‖k‖·(1 + 1e-12)).
+inline void box_norm_bounds(const float* bmin /* [groups, d] */, const float* bmax /* [groups, d] */,
+                            const float* max_norm /* [groups] */, const float* amax_norm /* [groups] */,
+                            const std::int32_t* recs /* [n] */,
+                            std::int32_t n, std::int32_t d, const float* q /* [G, d] */,
+                            const double* qnorm /* [G] */, std::int32_t G, double* out /* [G, ldo] */,
+                            std::int64_t ldo) {
+#if defined(__AVX__)
+  constexpr bool kBlock4 = true;  // 12 accumulator registers of 16
+#else
+  constexpr bool kBlock4 = false;
+#endif
+  double hi[4];
+  for (std::int32_t i = 0; i < n; ++i) {
+    const std::size_t r = static_cast<std::size_t>(recs[i]);
+    const float* mn = bmin + r * static_cast<std::size_t>(d);
+    const float* mx = bmax + r * static_cast<std::size_t>(d);
+    std::int32_t g = 0;
+    for (; kBlock4 && g + 4 <= G; g += 4) {
+      box_bounds_block<4, false>(mn, mx, d, q + static_cast<std::size_t>(g) * d, d, hi, nullptr);
+      for (int k = 0; k < 4; ++k)
+        out[(g + k) * ldo + i] = std::min(hi[k] + box_slack(d, qnorm[g + k], amax_norm[r]),
+                                          qnorm[g + k] * max_norm[r] * (1 + 1e-12));
+    }
+    for (; g + 2 <= G; g += 2) {
+      box_bounds_block<2, false>(mn, mx, d, q + static_cast<std::size_t>(g) * d, d, hi, nullptr);
+      for (int k = 0; k < 2; ++k)
+        out[(g + k) * ldo + i] = std::min(hi[k] + box_slack(d, qnorm[g + k], amax_norm[r]),
+                                          qnorm[g + k] * max_norm[r] * (1 + 1e-12));
+    }
+    for (; g < G; ++g) {
+      box_bounds_block<1, false>(mn, mx, d, q + static_cast<std::size_t>(g) * d, d, hi, nullptr);
+      out[g * ldo + i] = std::min(hi[0] + box_slack(d, qnorm[g], amax_norm[r]), qnorm[g] * max_norm[r] * (1 + 1e-12));
+    }
+  }
+}
+}  // namespace detail
+
+/// Bounds of record r of (layer, kv head h) of `store` for query q (float, [d]); `u1`
+/// and the FD / JL / 1-PC floats come from store.summary(layer, r, h). The box in float
+/// with 8 accumulators plus its rounding slack (detail::box_bounds_block).
+inline GroupBounds group_bounds(const SketchStore& store, std::int32_t layer, std::int32_t r, std::int32_t h,
                                 const float* q /* [d] */, double qnorm, const double* z /* [m] */,
                                 unsigned which = kBoundsAll) {
   const SketchStore::Layout& L = store.layout();
   const std::int32_t d = store.head_dim(), m = store.params().jl_dim;
+  const float* s = store.summary(layer, r, h);
+  const std::int8_t* u1 = store.u1(layer, r, h);
   GroupBounds g;
-  float h8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const float* mn = s + L.box_min;
-  const float* mxp = s + L.box_max;
-  std::int32_t c = 0;
-  for (; c + 8 <= d; c += 8)
-    for (int j = 0; j < 8; ++j) {
-      const float a = q[c + j] * mn[c + j], b = q[c + j] * mxp[c + j];
-      h8[j] += a > b ? a : b;
-      l8[j] += a > b ? b : a;
-      const float aa = std::fabs(a), bb = std::fabs(b);
-      m8[j] += aa > bb ? aa : bb;
-    }
-  for (; c < d; ++c) {
-    const float a = q[c] * mn[c], b = q[c] * mxp[c];
-    h8[0] += a > b ? a : b;
-    l8[0] += a > b ? b : a;
-    m8[0] += std::max(std::fabs(a), std::fabs(b));
-  }
-  double hi = 0, lo = 0, mag = 0;
-  for (int j = 0; j < 8; ++j) {
-    hi += h8[j];
-    lo += l8[j];
-    mag += m8[j];
-  }
-  const double slack = detail::float_sum_slack(d) * mag;
-  g.box_hi = hi + slack;
-  g.box_lo = lo - slack;
-  g.norm = qnorm * s[L.maxnorm] * (1 + 1e-12);
+  const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(d);
+  detail::box_bounds_block<1, true>(store.box_min(layer, h) + row, store.box_max(layer, h) + row, d, q, d, &g.box_hi,
+                                    &g.box_lo);
+  const double slack = detail::box_slack(d, qnorm, store.box_amax_norm(layer, h)[r]);
+  g.box_hi += slack;
+  g.box_lo -= slack;
+  g.norm = qnorm * store.max_norm(layer, h)[r] * (1 + 1e-12);
   if ((which & (kBoundsFD | kBoundsOnePC)) == 0 && (which & kBoundsJL) == 0) return g;
   std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
   double qc = 0, qc_mag = 0;
@@ -695,6 +896,186 @@ inline double upper_bound(const SketchParams& p, const GroupBounds& g) {
   }
 }
 
+namespace detail {
+
+/// Unsigned 128-bit fixed-point mass: the pre-pass's group mass bounds are integers in
+/// units of 2⁻⁹⁶ (relative to the largest bound), so every tail sum is exact and does not
+/// depend on the order it is formed in: a partial selection and a full sort give the
+/// same sums, hence the same decisions, bit for bit.
+struct Mass128 {
+  std::uint64_t hi = 0, lo = 0;
+  void add(const Mass128& x) {
+    lo += x.lo;
+    hi += x.hi + (lo < x.lo ? 1u : 0u);
+  }
+  void sub(const Mass128& x) {  // requires *this >= x
+    hi -= x.hi + (lo < x.lo ? 1u : 0u);
+    lo -= x.lo;
+  }
+  bool zero() const { return hi == 0 && lo == 0; }
+  /// The value times 2⁻⁹⁶ (round to nearest in two steps; monotone in the value).
+  double value() const { return (static_cast<double>(hi) * 0x1p64 + static_cast<double>(lo)) * 0x1p-96; }
+};
+
+/// Quantised mass bound of a group whose log-mass bound is x = ub − ref <= 0:
+/// ⌈exp(x)·(1 + 2⁻⁵⁰)·2⁹⁶⌉ units, at least one (an upper bound even where exp underflows).
+inline Mass128 quantise_mass(double x) {
+  const double w = std::exp(x) * (1 + 0x1p-50);
+  double v = std::ceil(w * 0x1p96);
+  if (!(v >= 1.0)) v = 1.0;
+  Mass128 m;
+  const double h = std::floor(v * 0x1p-64);
+  m.hi = static_cast<std::uint64_t>(h);
+  m.lo = static_cast<std::uint64_t>(v - h * 0x1p64);
+  return m;
+}
+
+/// Upper bound (with a 2⁻⁵⁰ margin) of the mass a tail sum stands for.
+inline double tail_bound(const Mass128& t) { return t.zero() ? 0.0 : t.value() * (1 + 0x1p-50); }
+
+/// Result of certified_walk for one (sequence, query head).
+struct WalkResult {
+  std::int32_t visited = 0;  // groups taken: out[0..visited)
+  std::int32_t scored = 0;   // groups whose keys were read (mass() calls)
+  double omitted = 0;        // omitted-mass bound T/(T + S) at the stop
+};
+
+/// The pre-pass's certified ε rule over n candidate groups: positions 0..n-1 with
+/// log-mass bounds ub[pos] relative to ref >= every ub, quantised masses
+/// w[pos] = quantise_mass(ub[pos] − ref), W = Σ w. Ranks: decreasing ub, ties by
+/// increasing position. With T_i = Σ w over ranks >= i, S_i = s0 + Σ_{k<i} mass(rank k)
+/// (in rank order) and f = 1 + (4n + 64)·2⁻⁵³:
+///   i0 = the first i in [0, lim) with tail_bound(T_i) <= ε·f·(s0 + (W − T_i)·2⁻⁹⁶),
+///        else lim (no stop before i0 is possible even if every group held its bound);
+///   i0 == lim: ranks [0, lim) are visited, none scored, S = s0;
+///   else ranks are visited in order from 0, each scored, and the walk stops at the first
+///        i >= i0 with tail_bound(T_i) <= ε·S_i, or at lim.
+/// With score_budget > 0, once more than score_budget ranks would be scored, the ranks
+/// left up to lim are visited unscored (S kept): more pages, the bound still certified.
+/// omitted = tail_bound(T)/(tail_bound(T) + S) at the stop (0 when T = 0).
+/// This implementation reaches the same ranks without sorting every group: quickselect on
+/// the exact tail sums finds the next rank where a stop is possible at all (ranks before
+/// it are visited; they are scored only when a later decision needs S, i.e. not when the
+/// next possible stop is lim with nothing left), then a heap walks the rest; only visited
+/// ranks are sorted. Its early jumps skip exact tests that cannot pass (mass <= bound and
+/// the factor f cover the double rounding of S). mass(pos): the group's exact relative
+/// mass (<= its bound). ord, out: [n] workspace; out[0..visited) = the visited positions,
+/// the scored ones first and by rank, the unscored ones after them in no particular order.
+template <class MassFn>
+WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */, Mass128 W, std::int32_t n,
+                          double s0, double eps, std::int32_t lim, std::int32_t score_budget,
+                          std::int32_t* ord /* [n] */, std::int32_t* out /* [n] */, MassFn&& mass) {
+  WalkResult res;
+  lim = std::max<std::int32_t>(0, std::min(lim, n));
+  for (std::int32_t i = 0; i < n; ++i) ord[i] = i;
+  const double f = 1 + (4.0 * static_cast<double>(n) + 64) * 0x1p-53;
+  auto before = [&](std::int32_t a, std::int32_t b) { return ub[a] > ub[b] || (ub[a] == ub[b] && a < b); };
+  auto after = [&](std::int32_t a, std::int32_t b) { return before(b, a); };  // heap order
+  double S = s0;
+  std::int32_t cnt = 0;
+  auto finish = [&](const Mass128& T) {
+    res.visited = cnt;
+    const double t = tail_bound(T);
+    res.omitted = t > 0 ? t / (t + S) : 0.0;
+    return res;
+  };
+  // Smallest rank p in (start, lim] (or [start, lim] when !strict) where a stop is
+  // possible with every rank before p holding its bound: tail_bound(T_p) <=
+  // ε·f·(s_base + (T_start − T_p)·2⁻⁹⁶). Moves ranks [start, p) (unsorted) to
+  // ord[start..p); T: T_start in, T_p out.
+  auto jump = [&](std::int32_t start, double s_base, bool strict, Mass128& T) -> std::int32_t {
+    const Mass128 T0 = T;
+    auto stop_possible = [&](std::int32_t p, const Mass128& Tp) {
+      if (p >= lim) return true;
+      Mass128 seen = T0;
+      seen.sub(Tp);
+      return tail_bound(Tp) <= eps * f * (s_base + seen.value());
+    };
+    if (!strict && stop_possible(start, T)) return start;
+    std::int32_t lo = start, hi = n;  // the answer is in (lo, hi]
+    while (hi - lo > 16) {
+      const std::int32_t a = ord[lo], b = ord[lo + (hi - lo) / 2], c = ord[hi - 1];
+      const std::int32_t m = before(a, b) ? (before(b, c) ? lo + (hi - lo) / 2 : (before(a, c) ? hi - 1 : lo))
+                                          : (before(a, c) ? lo : (before(b, c) ? hi - 1 : lo + (hi - lo) / 2));
+      std::swap(ord[m], ord[hi - 1]);
+      const std::int32_t pv = ord[hi - 1];
+      std::int32_t* mid = std::partition(ord + lo, ord + hi - 1, [&](std::int32_t x) { return before(x, pv); });
+      std::swap(*mid, ord[hi - 1]);
+      const std::int32_t k = static_cast<std::int32_t>(mid - ord);
+      Mass128 Tk = T;
+      for (std::int32_t i = lo; i <= k; ++i) Tk.sub(w[ord[i]]);
+      if (stop_possible(k + 1, Tk)) {
+        hi = k + 1;
+      } else {
+        lo = k + 1;
+        T = Tk;
+      }
+    }
+    std::sort(ord + lo, ord + hi, before);
+    for (std::int32_t p = lo; p < hi; ++p) {
+      if (p > lo && stop_possible(p, T)) return p;
+      T.sub(w[ord[p]]);
+    }
+    return hi;
+  };
+  // Budget exhausted: the top lim − cnt of ord[rb..re) are visited unscored.
+  auto give_up = [&](std::int32_t rb, std::int32_t re, Mass128 T) {
+    const std::int32_t k = lim - cnt;
+    if (rb + k < re) std::nth_element(ord + rb, ord + rb + k, ord + re, before);
+    for (std::int32_t p = rb; p < rb + k; ++p) {
+      out[cnt++] = ord[p];
+      T.sub(w[ord[p]]);
+    }
+    return finish(T);
+  };
+  auto over_budget = [&](std::int32_t more) { return score_budget > 0 && res.scored + more > score_budget; };
+  auto score = [&](std::int32_t from, std::int32_t to) {
+    for (std::int32_t p = from; p < to; ++p) S += mass(out[p]);
+    res.scored += to - from;
+  };
+  if (lim == 0) return finish(W);
+  // Phase 1: the first rank where a stop is possible at all.
+  Mass128 T = W;
+  std::int32_t a = jump(0, s0, false, T);
+  if (a == lim) {  // visited unscored (in no particular order)
+    for (std::int32_t p = 0; p < a; ++p) out[cnt++] = ord[p];
+    return finish(T);
+  }
+  if (over_budget(a)) return give_up(0, n, W);
+  std::sort(ord, ord + a, before);
+  for (std::int32_t p = 0; p < a; ++p) out[cnt++] = ord[p];
+  score(0, a);
+  if (cnt >= lim || tail_bound(T) <= eps * S) return finish(T);
+  // Phase 2: rank cnt is visited (its test failed); jump to the next possible stop.
+  const Mass128 Ti = T;
+  a = jump(cnt, S, true, T);
+  if (a == lim && lim == n) {  // everything visited, nothing left to bound
+    for (std::int32_t p = cnt; p < a; ++p) out[cnt++] = ord[p];
+    return finish(T);
+  }
+  if (over_budget(a - cnt)) return give_up(cnt, n, Ti);
+  std::sort(ord + cnt, ord + a, before);
+  const std::int32_t from = cnt;
+  for (std::int32_t p = cnt; p < a; ++p) out[cnt++] = ord[p];
+  score(from, cnt);
+  // Phase 3: one rank at a time from a heap of the rest, ord[cnt..he).
+  const std::int32_t hb = cnt;
+  std::int32_t he = n;
+  std::make_heap(ord + hb, ord + he, after);
+  while (cnt < lim && !(tail_bound(T) <= eps * S)) {
+    if (over_budget(1)) return give_up(hb, he, T);
+    std::pop_heap(ord + hb, ord + he, after);
+    const std::int32_t x = ord[--he];
+    out[cnt++] = x;
+    S += mass(x);
+    ++res.scored;
+    T.sub(w[x]);
+  }
+  return finish(T);
+}
+
+}  // namespace detail
+
 /// Decode-time pre-pass: page subsets per (sequence, kv head) for the page-subset variant
 /// of paged_decode_attention (DecodeAttentionParams::page_subset_indptr / page_subset).
 /// reserve() sizes every buffer once; select() never allocates.
@@ -708,19 +1089,26 @@ class SketchSelector {
     KVKIT_CHECK(max_batch > 0 && num_qo_heads > 0 && max_pages > 0, "kvkit: sketch reserve needs positive sizes, got batch ",
                 max_batch, " heads ", num_qo_heads, " pages ", max_pages);
     const std::int32_t hkv = store_->num_kv_heads(), g = store_->params().group_pages;
+    const std::int32_t d = store_->head_dim();
     max_batch_ = max_batch;
     hq_ = num_qo_heads;
     max_pages_ = max_pages;
-    const std::int32_t groups = (max_pages + g - 1) / g;
+    const std::size_t groups = static_cast<std::size_t>((max_pages + g - 1) / g);
+    const std::size_t grp = static_cast<std::size_t>(std::max(1, num_qo_heads / hkv));
     indptr_.assign(static_cast<std::size_t>(max_batch) * hkv + 1, 0);
     subset_.assign(static_cast<std::size_t>(max_batch) * hkv * max_pages, 0);
-    ub_.assign(static_cast<std::size_t>(groups), 0.0);
-    order_.assign(static_cast<std::size_t>(groups), 0);
-    tail_.assign(static_cast<std::size_t>(groups) + 1, 0.0);
-    rec_.assign(static_cast<std::size_t>(groups), -1);
-    visit_.assign(static_cast<std::size_t>(groups), 0);
-    always_.assign(static_cast<std::size_t>(groups), 0);
-    qbuf_.assign(static_cast<std::size_t>(store_->head_dim()), 0.f);
+    cert_.assign(grp * groups, 0.0);
+    ub_.assign(groups, 0.0);
+    w_.assign(groups, detail::Mass128{});
+    ord_.assign(groups, 0);
+    out_.assign(groups, 0);
+    cand_.assign(groups, 0);
+    crec_.assign(groups, 0);
+    rec_.assign(groups, -1);
+    visit_.assign(groups, 0);
+    always_.assign(groups, 0);
+    qbuf_.assign(grp * d, 0.f);
+    qn_.assign(grp, 0.0);
     z_.assign(static_cast<std::size_t>(store_->params().jl_dim), 0.0);
     omitted_.assign(static_cast<std::size_t>(max_batch) * num_qo_heads, 0.0);
   }
@@ -729,6 +1117,9 @@ class SketchSelector {
   /// [batch, Hq, d] scaled by sm_scale; fills indptr()/subset() (ascending logical page
   /// indices, i.e. oldest to newest) and `tel`. The store must be sync()ed for this layer
   /// and view. kInvalidArgument when the batch, heads or pages exceed reserve().
+  /// Per (b, kv head): the certified box/norm bounds of every group for all of the head's
+  /// query heads in one pass over the box arrays; per query head, the ε rule of
+  /// detail::certified_walk (exact keys read only for groups it must score).
   template <class T>
   Status select(std::int32_t layer, const PagedKVView<T>& view, const T* q, std::int32_t num_qo_heads,
                 float sm_scale, SketchTelemetry* tel) {
@@ -744,6 +1135,7 @@ class SketchSelector {
     const std::int32_t grp = num_qo_heads / hkv;
     const double scale = sm_scale;
     const unsigned need = bounds_needed(p);
+    const double log_full = std::log(static_cast<double>(g) * P);
     SketchTelemetry t;
     std::int32_t out = 0;
     indptr_[0] = 0;
@@ -752,93 +1144,41 @@ class SketchSelector {
       KVKIT_CHECK_STATUS(np <= max_pages_, StatusCode::kInvalidArgument, "sketch select: sequence row ", b,
                          " has ", np, " pages, more than the reserved ", max_pages_);
       const std::int32_t ng = (np + g - 1) / g;
+      for (std::int32_t j = 0; j < ng; ++j) {  // records are shared by the kv heads
+        const std::int32_t r = st.record_of(layer, view.page_id(b, j * g));
+        rec_[j] = r >= 0 && st.record_matches(layer, r, view, b, j * g) ? r : -1;
+      }
       for (std::int32_t h = 0; h < hkv; ++h) {
         t.pages_total += np;
         const bool on = st.head_on(layer, h);
+        std::int32_t nc = 0;
         for (std::int32_t j = 0; j < ng; ++j) {
-          const std::int32_t r = st.record_of(layer, view.page_id(b, j * g));
-          rec_[j] = r >= 0 && st.record_matches(layer, r, view, b, j * g) ? r : -1;
           always_[j] = (!on || j >= ng - p.last_n || rec_[j] < 0) ? 1 : 0;
           visit_[j] = always_[j];
+          if (!always_[j]) {
+            cand_[nc] = j;
+            crec_[nc++] = rec_[j];
+          }
         }
-        for (std::int32_t gq = 0; gq < grp; ++gq) {
-          const std::int32_t hq = h * grp + gq;
-          if (!on) {  // pre-pass off for this head: every page read, nothing omitted
-            omitted_[static_cast<std::size_t>(b) * num_qo_heads + hq] = 0;
-            continue;
-          }
-          const T* qp = q + (static_cast<std::size_t>(b) * num_qo_heads + hq) * d;
-          double qn = 0;
-          for (std::int32_t c = 0; c < d; ++c) {
-            qbuf_[c] = to_float(qp[c]);
-            qn += static_cast<double>(qbuf_[c]) * qbuf_[c];
-          }
-          qn = std::sqrt(qn);
-          const float* ph = st.phi(h);
-          const std::int32_t m = p.jl_dim;
-          for (std::int32_t a = 0; a < m; ++a) z_[a] = 0;
-          for (std::int32_t c = 0; c < d; ++c)
-            for (std::int32_t a = 0; a < m; ++a) z_[a] += static_cast<double>(qbuf_[c]) * ph[c * m + a];
-          // Exact log-mass of the always-visited groups (online max; logits rounded down
-          // by their float error bound, so S stays a lower bound of their mass).
-          double mx = -std::numeric_limits<double>::infinity(), S = 0;
-          for (std::int32_t j = 0; j < ng; ++j) {
-            if (!always_[j]) continue;
-            for (std::int32_t t0i = j * g * P; t0i < std::min(len, (j + 1) * g * P); ++t0i) {
-              const double x = scale * logit_lo(view.k_ptr(b, t0i, h), d);
-              if (x > mx) {
-                S = S * std::exp(mx - x) + 1.0;
-                mx = x;
-              } else {
-                S += std::exp(x - mx);
-              }
+        if (!on) {  // pre-pass off for this head: every page read, nothing omitted
+          for (std::int32_t gq = 0; gq < grp; ++gq) omitted_[static_cast<std::size_t>(b) * num_qo_heads + h * grp + gq] = 0;
+        } else {
+          for (std::int32_t gq = 0; gq < grp; ++gq) {
+            const T* qp = q + (static_cast<std::size_t>(b) * num_qo_heads + h * grp + gq) * d;
+            float* qf = qbuf_.data() + static_cast<std::size_t>(gq) * d;
+            double qn = 0;
+            for (std::int32_t c = 0; c < d; ++c) {
+              qf[c] = to_float(qp[c]);
+              qn += static_cast<double>(qf[c]) * qf[c];
             }
+            qn_[gq] = std::sqrt(qn);
           }
-          // Upper log-mass bound of every other group.
-          std::int32_t nc = 0;
-          double ref = mx;
-          for (std::int32_t j = 0; j < ng; ++j) {
-            if (always_[j]) continue;
-            const GroupBounds gb = group_bounds(st, st.summary(layer, rec_[j], h), st.u1(layer, rec_[j], h),
-                                                qbuf_.data(), qn, z_.data(), need);
-            const std::int32_t ntok = std::min(len - j * g * P, g * P);
-            ub_[j] = std::log(static_cast<double>(ntok)) + scale * upper_bound(p, gb);
-            ref = std::max(ref, ub_[j]);
-            order_[nc++] = j;
-          }
-          if (!(S > 0) || !std::isfinite(mx)) {  // nothing always visited: visit everything
-            for (std::int32_t i = 0; i < nc; ++i) visit_[order_[i]] = 1;
-            omitted_[static_cast<std::size_t>(b) * num_qo_heads + hq] = 0;
-            continue;
-          }
-          // Walk the groups in decreasing bound order, scoring each visited group exactly
-          // (its mass joins S), and stop as soon as the bound on everything left is within
-          // ε·S. Masses are relative to `ref` >= every logit, so no exp overflows.
-          std::sort(order_.begin(), order_.begin() + nc, [&](std::int32_t a, std::int32_t c) {
-            return ub_[a] > ub_[c] || (ub_[a] == ub_[c] && a < c);
-          });
-          tail_[nc] = 0;
-          for (std::int32_t i = nc - 1; i >= 0; --i) tail_[i] = tail_[i + 1] + std::exp(ub_[order_[i]] - ref);
-          double s_rel = S * std::exp(mx - ref);
-          const std::int32_t lim = p.top_pages > 0 ? std::min(nc, std::max(1, p.top_pages / g)) : nc;
-          // No stop before index i0 is possible even if every visited group held its
-          // bound's mass: visit those without scoring; if that is all of them, score none.
-          std::int32_t i0 = 0;
-          for (double opt = s_rel; i0 < lim && tail_[i0] > p.eps * opt; ++i0) opt += tail_[i0] - tail_[i0 + 1];
-          std::int32_t i = 0;
-          for (; i < i0; ++i) visit_[order_[i]] = 1;
-          if (i0 < lim) {
-            for (std::int32_t k = 0; k < i0; ++k) s_rel += group_mass(view, b, h, order_[k], len, scale, ref);
-            for (; i < lim; ++i) {
-              if (tail_[i] <= p.eps * s_rel) break;
-              visit_[order_[i]] = 1;
-              s_rel += group_mass(view, b, h, order_[i], len, scale, ref);
-            }
-          }
-          // Omitted-mass bound: this head's skipped groups (a superset of what the union
-          // finally omits) against S; x/(x+S) grows with x and S <= Z, so it bounds M_Ω/Z.
-          const double om = tail_[i];
-          omitted_[static_cast<std::size_t>(b) * num_qo_heads + hq] = om > 0 ? om / (om + s_rel) : 0.0;
+          // min(box, norm) of every candidate for every query head: one read of the box.
+          detail::box_norm_bounds(st.box_min(layer, h), st.box_max(layer, h), st.max_norm(layer, h),
+                                  st.box_amax_norm(layer, h), crec_.data(),
+                                  nc, d, qbuf_.data(), qn_.data(), grp, cert_.data(), nc);
+          for (std::int32_t gq = 0; gq < grp; ++gq) select_head(layer, view, b, h, gq, num_qo_heads, nc, len, scale,
+                                                                log_full, need, t);
         }
         // Emit the union in ascending logical order.
         for (std::int32_t j = 0; j < ng; ++j) {
@@ -872,19 +1212,88 @@ class SketchSelector {
   }
 
  private:
+  // Query head gq of kv head h, row b: exact mass of the always-visited groups, bounds of
+  // the nc candidates (cert_ row gq, tightened by FD / estimates when the method asks),
+  // then the ε rule; marks visit_.
+  template <class T>
+  void select_head(std::int32_t layer, const PagedKVView<T>& view, std::int32_t b, std::int32_t h, std::int32_t gq,
+                   std::int32_t num_qo_heads, std::int32_t nc, std::int32_t len, double scale, double log_full,
+                   unsigned need, SketchTelemetry& t) {
+    const SketchStore& st = *store_;
+    const SketchParams& p = st.params();
+    const std::int32_t d = st.head_dim(), g = p.group_pages, P = st.page_size(), grp = num_qo_heads / st.num_kv_heads();
+    const float* qf = qbuf_.data() + static_cast<std::size_t>(gq) * d;
+    double& omitted = omitted_[static_cast<std::size_t>(b) * num_qo_heads + h * grp + gq];
+    if (need != 0) {
+      const std::int32_t m = p.jl_dim;
+      const float* ph = st.phi(h);
+      for (std::int32_t a = 0; a < m; ++a) z_[a] = 0;
+      for (std::int32_t c = 0; c < d; ++c)
+        for (std::int32_t a = 0; a < m; ++a) z_[a] += static_cast<double>(qf[c]) * ph[c * m + a];
+    }
+    // Exact log-mass of the always-visited groups (online max; logits rounded down by
+    // their float error bound, so S stays a lower bound of their mass).
+    const std::int32_t ng = (view.num_pages(b) + g - 1) / g;
+    double mx = -std::numeric_limits<double>::infinity(), S = 0;
+    for (std::int32_t j = 0; j < ng; ++j) {
+      if (!always_[j]) continue;
+      for (std::int32_t tk = j * g * P; tk < std::min(len, (j + 1) * g * P); ++tk) {
+        const double x = scale * logit_lo(qf, view.k_ptr(b, tk, h), d);
+        if (x > mx) {
+          S = S * std::exp(mx - x) + 1.0;
+          mx = x;
+        } else {
+          S += std::exp(x - mx);
+        }
+      }
+    }
+    // Upper log-mass bound of every candidate: log(tokens) + s·U.
+    const double* cert = cert_.data() + static_cast<std::size_t>(gq) * nc;
+    double ref = mx;
+    for (std::int32_t i = 0; i < nc; ++i) {
+      const std::int32_t j = cand_[i];
+      const std::int32_t ntok = std::min(len - j * g * P, g * P);
+      double u = cert[i];
+      if (need != 0) {
+        const GroupBounds gb = group_bounds(st, layer, crec_[i], h, qf, qn_[gq], z_.data(), need);
+        u = upper_bound(p, gb);
+      }
+      ub_[i] = (ntok == g * P ? log_full : std::log(static_cast<double>(ntok))) + scale * u;
+      ref = std::max(ref, ub_[i]);
+    }
+    if (!(S > 0) || !std::isfinite(mx)) {  // nothing always visited: visit everything
+      for (std::int32_t i = 0; i < nc; ++i) visit_[cand_[i]] = 1;
+      omitted = 0;
+      return;
+    }
+    // Masses relative to `ref` >= every logit, so no exp overflows.
+    detail::Mass128 W;
+    for (std::int32_t i = 0; i < nc; ++i) {
+      w_[i] = detail::quantise_mass(ub_[i] - ref);
+      W.add(w_[i]);
+    }
+    const std::int32_t lim = p.top_pages > 0 ? std::min(nc, std::max(1, p.top_pages / g)) : nc;
+    const detail::WalkResult r = detail::certified_walk(
+        ub_.data(), w_.data(), W, nc, S * std::exp(mx - ref), p.eps, lim, p.score_budget, ord_.data(), out_.data(),
+        [&](std::int32_t i) { return group_mass(view, b, h, qf, cand_[i], len, scale, ref); });
+    for (std::int32_t k = 0; k < r.visited; ++k) visit_[cand_[out_[k]]] = 1;
+    t.groups_scored += r.scored;
+    omitted = r.omitted;
+  }
+
   // q·k in float (8 accumulators, vectorised) minus its rounding error bound.
   template <class T>
-  double logit_lo(const T* k, std::int32_t d) const {
+  static double logit_lo(const float* q, const T* k, std::int32_t d) {
     float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::int32_t c = 0;
     for (; c + 8 <= d; c += 8)
       for (int j = 0; j < 8; ++j) {
-        const float x = qbuf_[c + j] * to_float(k[c + j]);
+        const float x = q[c + j] * to_float(k[c + j]);
         a8[j] += x;
         m8[j] += std::fabs(x);
       }
     for (; c < d; ++c) {
-      const float x = qbuf_[c] * to_float(k[c]);
+      const float x = q[c] * to_float(k[c]);
       a8[0] += x;
       m8[0] += std::fabs(x);
     }
@@ -895,21 +1304,28 @@ class SketchSelector {
     }
     return acc - detail::float_sum_slack(d) * mag;
   }
-  // Σ exp(s·q·k − ref) over group j's tokens (a lower bound of its mass relative to ref).
+  // Σ exp(s·q·k − ref) over group j's tokens (a lower bound of its mass relative to ref);
+  // rows addressed page by page.
   template <class T>
-  double group_mass(const PagedKVView<T>& view, std::int32_t b, std::int32_t h, std::int32_t j, std::int32_t len,
-                    double scale, double ref) const {
+  double group_mass(const PagedKVView<T>& view, std::int32_t b, std::int32_t h, const float* q, std::int32_t j,
+                    std::int32_t len, double scale, double ref) const {
     const std::int32_t g = store_->params().group_pages, P = store_->page_size(), d = store_->head_dim();
     double m = 0;
-    for (std::int32_t tk = j * g * P; tk < std::min(len, (j + 1) * g * P); ++tk)
-      m += std::exp(scale * logit_lo(view.k_ptr(b, tk, h), d) - ref);
+    const std::int32_t end = std::min(len, (j + 1) * g * P);
+    for (std::int32_t t0 = j * g * P; t0 < end; t0 += P) {
+      const T* k = view.k_ptr(b, t0, h);
+      const std::int32_t n = std::min(P, end - t0);
+      for (std::int32_t i = 0; i < n; ++i, k += view.k_stride_token)
+        m += std::exp(scale * logit_lo(q, k, d) - ref);
+    }
     return m;
   }
 
   const SketchStore* store_;
   std::int32_t max_batch_ = 0, hq_ = 0, max_pages_ = 0;
-  std::vector<std::int32_t> indptr_, subset_, order_, rec_;
-  std::vector<double> ub_, tail_, z_, omitted_;
+  std::vector<std::int32_t> indptr_, subset_, ord_, out_, cand_, crec_, rec_;
+  std::vector<double> cert_, ub_, z_, qn_, omitted_;
+  std::vector<detail::Mass128> w_;
   std::vector<std::uint8_t> visit_, always_;
   std::vector<float> qbuf_;
 };
