@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ["r1kv", "snapkv", "streaming"]
+WINDOW = 8  # the policies' default query window (kvkit sweep --window)
 LABELS = {"r1kv": "R1KV", "snapkv": "SnapKV", "streaming": "StreamingLLM", "full": "full cache"}
 
 
@@ -216,6 +217,19 @@ def execute(runner, sw):
             out.append(res)
             continue
         res["result"] = dict(r, prompt_tokens=d.get("prompt_tokens"))
+        # Until the first compression the policy engine is the full cache exactly (agreement
+        # 1, KL 0): it compresses after the first step whose cache holds budget + buffer tokens
+        # and whose query window (8 steps; prefilled prompt tokens feed none) is full. The
+        # metrics over the steps after it are what the policy changed.
+        n = r["compare_steps"]
+        kv0 = n_prompt - 1 if sw["workload"] == "smollm2" else 0  # cached before step 1
+        first = max(WINDOW, r["budget"] + r["buffer"] - kv0, 1)
+        pre = min(first, n)
+        post = n - pre
+        res["result"]["post_steps"] = post
+        if post > 0:
+            res["result"]["post_top1_agreement"] = (round(r["top1_agreement"] * n) - pre) / post
+            res["result"]["post_mean_kl"] = r["mean_kl"] * n / post
         if "free" in r:
             res["answer"] = r["free"].get("text", "")
             res["answer_stop"] = r["free"].get("stop")
@@ -245,6 +259,12 @@ def summarize(results):
             steps = [max(1, r["result"].get("compare_steps", 1)) for r in ok]
             tot = float(sum(steps))
             row["steps"] = int(tot)
+            post = [r["result"]["post_steps"] for r in ok]
+            row["post_steps"] = sum(post)
+            if sum(post):
+                row["post_top1_agreement"] = sum(r["result"].get("post_top1_agreement", 0) * q
+                                                 for r, q in zip(ok, post)) / sum(post)
+                row["post_mean_kl"] = sum(r["result"].get("post_mean_kl", 0) * q for r, q in zip(ok, post)) / sum(post)
             row["n_run"] = len(ok)
             row["prompt_tokens"] = max(len(r["result"].get("prompt_tokens") or []) for r in ok)
             row["top1_agreement"] = sum(r["result"]["top1_agreement"] * s for r, s in zip(ok, steps)) / tot
@@ -268,21 +288,21 @@ def summarize(results):
 
 
 def table(rows):
-    lines = ["| workload | budget | policy | prompt (tokens) | compared steps | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | max KL | fact in greedy answer |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| workload | budget | policy | prompt (tokens) | compared steps (after 1st compression) | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | top-1 after 1st compression | mean KL after | max KL | fact in greedy answer |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for x in rows:
         fact = "%d/%d" % (x["facts_kept"], x["facts_total"]) if "facts_total" in x else ""
         if "top1_agreement" not in x:
             if x["policy"] == "full" and fact:
-                lines.append("| %s | - | full cache | %s | | | | | | | %s |" % (x["workload"], ", ".join(x["prompts"]), fact))
+                lines.append("| %s | - | full cache | %s | | | | | | | | | %s |" % (x["workload"], ", ".join(x["prompts"]), fact))
             elif x["skipped"] and x["policy"] == "r1kv":
-                lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||" % (
+                lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||||" % (
                     x["workload"], x["budget"], ", ".join(x["prompts"]), x["skipped"][0]))
             elif x["errors"] and all("--cached-only" in e for e in x["errors"]):
-                lines.append("| %s | %d | %s | %s | not run in time |||||||" % (
+                lines.append("| %s | %d | %s | %s | not run in time |||||||||" % (
                     x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"])))
             elif x["errors"]:
-                lines.append("| %s | %d | %s | %s | failed: %s |||||||" % (
+                lines.append("| %s | %d | %s | %s | failed: %s |||||||||" % (
                     x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"]),
                     x["errors"][0].splitlines()[0][:120]))
             continue
@@ -292,9 +312,11 @@ def table(rows):
                                             len(x["skipped"]) if x["skipped"] else "")
         elif x["workload"] == "smollm2":
             name += " (%d)" % x["prompt_tokens"]
-        lines.append("| %s | %d | %s | %s | %d | %d | %.1f %% | %.4f | %.4f | %.3f | %s |" % (
-            x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"],
-            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], x["max_kl"], fact))
+        post = ("%.4f" % x["post_top1_agreement"], "%.4f" % x["post_mean_kl"]) if "post_top1_agreement" in x else ("-", "-")
+        lines.append("| %s | %d | %s | %s | %d (%d) | %d | %.1f %% | %.4f | %.4f | %s | %s | %.3f | %s |" % (
+            x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"], x["post_steps"],
+            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], post[0], post[1],
+            x["max_kl"], fact))
     return "\n".join(lines)
 
 
