@@ -60,7 +60,8 @@ def parse_args():
     ap.add_argument("--smol-prompts", default="long_doc,code",
                     help="suite.json ids (first turn), suite kinds (long_doc, code: all its prompts) or "
                          "examples/prompts/<name>.txt, comma-separated; NAME:N answers N tokens instead "
-                         "of --smol-max-tokens")
+                         "of --smol-max-tokens, NAME:N:F (or NAME::F) also F free-run tokens instead of "
+                         "--fact-max-tokens")
     ap.add_argument("--smol-budgets", default="256,512,1024")
     ap.add_argument("--smol-buffer", type=int, default=128)
     ap.add_argument("--smol-max-tokens", type=int, default=1024,
@@ -111,7 +112,8 @@ class Runner:
 
 
 def smol_prompts(names, cache):
-    """(id, prompt file, expected strings, answer tokens or None) for each name[:tokens]."""
+    """(id, prompt file, expected strings, answer tokens or None, free-run tokens or None) for each
+    name[:tokens[:free tokens]]."""
     with open(os.path.join(REPO, "examples", "prompts", "suite.json")) as f:
         suite = {p["id"]: p for p in json.load(f)["prompts"]}
     known_facts = {"report_770": ["2013"]}  # the reservoir question of report_770.txt
@@ -123,7 +125,9 @@ def smol_prompts(names, cache):
     out = []
     for item in items:
         name, _, tokens = item.partition(":")
+        tokens, _, free = tokens.partition(":")
         tokens = int(tokens) if tokens else None
+        free = int(free) if free else None
         if name in suite:
             text = suite[name]["turns"][0]
             facts = suite[name]["answer_contains"] if len(suite[name]["turns"]) == 1 else []
@@ -135,7 +139,7 @@ def smol_prompts(names, cache):
             if not os.path.exists(path):
                 sys.exit("r1kv-quality-report: no prompt '%s' (suite id or examples/prompts/*.txt)" % name)
             facts = known_facts.get(name, [])
-        out.append((name, path, facts, tokens))
+        out.append((name, path, facts, tokens, free))
     return out
 
 
@@ -157,13 +161,13 @@ def plan(a):
                            pols + ["--budgets", "64,128,256", "--buffer", "32"] + common))
     if "smollm2" in work:
         budgets = [int(x) for x in a.smol_budgets.split(",")]
-        for name, path, facts, tokens in smol_prompts(a.smol_prompts, a.cache):
+        for name, path, facts, tokens, free in smol_prompts(a.smol_prompts, a.cache):
             answer = tokens or a.smol_max_tokens
             args = ["sweep", "--model", gguf, "--prompt-file", path, "--chat", "--stop-at-eos",
                     "--max-tokens", str(answer)] + pols + [
                         "--budgets", ",".join(map(str, budgets)), "--buffer", str(a.smol_buffer)]
             if facts and a.fact_max_tokens >= 0:
-                args += ["--free-run", "--free-max-tokens", str(a.fact_max_tokens or answer)]
+                args += ["--free-run", "--free-max-tokens", str(free or a.fact_max_tokens or answer)]
             sweeps.append(dict(workload="smollm2", prompt=name, budgets=budgets, facts=facts,
                                max_tokens=answer, args=args + common))
     return sweeps
