@@ -353,7 +353,8 @@ inline int run_sweep(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--threads", o.threads, "engine threads (default 1)")->check(CLI::Range(1, 64));
   app.add_option("--page-size", o.page_size, "tokens per KV page (default 16)")->check(CLI::Range(1, 1 << 20));
-  app.add_flag("--json", "accepted for symmetry with generate: the output is always JSON");
+  bool json = true;  // --json is accepted for symmetry with generate: the output is always JSON
+  app.add_flag("--json", json, "the output is always one JSON object");
   auto error = [](int code, const std::string& msg) {
     std::cerr << "kvkit: " << (code == 2 ? "error: " : "") << "sweep: " << msg << "\n";
     std::cout << nlohmann::json{{"error", msg}, {"code", code}}.dump() << "\n";
