@@ -201,6 +201,7 @@ def execute(runner, sw):
         print("r1kv-quality-report: " + str(e), file=sys.stderr, flush=True)
         return [dict(base, policy=p, budget=b, error=str(e)) for p in POLICIES for b in sw["budgets"]]
     n_prompt = len(d.get("prompt_tokens") or [])
+    sw["wall_s"] = d.get("_wall_s", 0)
     full = d["full"]
     out = []
     if sw["facts"]:
@@ -405,18 +406,23 @@ def main():
                   next((r for r in results if "result" in r), None))
     wall = sum(r["result"].get("seconds", 0) for r in results if "result" in r)
     md = ["# Compressor policies: quality at equal budgets", "",
-          "Produced by `%s` (%.0f s this time; sweeps cached in %s). Each prompt is one `kvkit sweep` "
+          "Produced by `%s` (sweeps cached in %s; their wall times sum to %.0f s, %d sweeps). Each prompt is one `kvkit sweep` "
           "(the full cache runs once; every policy x budget is teacher-forced with its greedy tokens "
           "and compared with its logits), which gives exactly the numbers of `kvkit generate --policy P "
           "--budget B --buffer U --compare-full --json` run alone (tests/test_cli_sweep.cpp)." % (
-              cmd, time.time() - t0, a.cache), ""]
+              cmd, a.cache, sum(sw.get("wall_s", 0) for sw in sweeps), len(sweeps)), ""]
     if ex_run:
         md += ["Example: `%s` = one run of `%s`." % (ex_run["command"], ex_run["sweep_command"]), ""]
-    md += ["SmolLM2: answers of up to %s tokens ending at <|im_end|> (the full cache's greedy answer, "
-           "teacher-forced), buffer %d; the fact column is the policy's own greedy answer (no teacher "
-           "forcing, up to %s tokens) containing the expected string(s) of suite.json's answer_contains. "
+    caps = {}  # (answer tokens, free-run tokens) -> prompts
+    for sw in sweeps:
+        if sw["workload"] == "smollm2":
+            free = sw["args"][sw["args"].index("--free-max-tokens") + 1] if "--free-max-tokens" in sw["args"] else "-"
+            caps.setdefault((sw["max_tokens"], free), []).append(sw["prompt"])
+    md += ["SmolLM2: answers ending at <|im_end|> (the full cache's greedy answer, teacher-forced), buffer "
+           "%d; the fact column is the policy's own greedy answer (no teacher forcing) containing the "
+           "expected string(s) of suite.json's answer_contains. Answer / free-run tokens at most: %s. "
            "stories260K: %d steps, buffer 32. synthetic: %d steps, buffer 32." % (
-               a.smol_max_tokens, a.smol_buffer, a.fact_max_tokens or a.smol_max_tokens,
+               a.smol_buffer, "; ".join("%s / %s (%s)" % (k[0], k[1], ", ".join(v)) for k, v in caps.items()),
                a.stories_steps, a.synthetic_steps), ""]
     if agg:
         md += ["## SmolLM2 over the prompts of each kind", "", table(agg), ""]
