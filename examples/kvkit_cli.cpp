@@ -53,6 +53,7 @@
 #include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
 #include "cli/cmd_store_demo.hpp"  // kvkit store-demo
+#include "cli/cmd_sweep.hpp"  // kvkit sweep
 
 namespace {
 
@@ -1095,6 +1096,7 @@ int fail(bool json, int code, const std::string& msg) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "r1kv") return kvkit::cli::run_r1kv(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "sweep") return kvkit::cli::run_sweep(argc - 1, argv + 1);
   // --json is known before parsing, so even a parse error can answer in JSON.
   bool json = false;
   for (int i = 1; i < argc; ++i) json = json || std::string(argv[i]) == "--json";

@@ -1,27 +1,33 @@
 #!/usr/bin/env python3
 """Quality of the Compressor policies (R1KV, SnapKV, StreamingLLM) at equal budgets.
 
-Runs `kvkit generate --policy P --budget B --buffer U --compare-full --json` (the policy
-engine teacher-forced with the full-cache engine's greedy tokens, logits compared every
-step) on three workloads and writes a markdown table (KV bytes saved vs top-1 agreement
-and mean KL) and an SVG plot:
+Each workload prompt is one `kvkit sweep` run (examples/cli/cmd_sweep.hpp): the full-cache
+engine runs once and its next tokens and logits are recorded; every policy x budget engine
+is then teacher-forced with those tokens and compared with those logits (top-1 agreement,
+KL), exactly what `kvkit generate --policy P --budget B --buffer U --compare-full --json`
+gives for each run alone (tests/test_cli_sweep.cpp), at a fraction of the cost (one full
+run and, for GGUF, one prompt prefill per prompt). Writes a markdown table (KV bytes saved
+vs top-1 agreement and mean KL) and an SVG plot:
 
-  smollm2     SmolLM2-135M-Instruct (GGUF), ChatML prompts: long-document questions and
-              code prompts of examples/prompts/suite.json, or text files; budgets
-              256/512/1024, buffer 128, --max-tokens N answers. For prompts with an
-              expected fact (answer_contains), a second run without --compare-full lets
-              the policy decode greedily on its own and checks the fact is in the answer.
+  smollm2     SmolLM2-135M-Instruct (GGUF), ChatML prompts: the long-document questions and
+              code prompts of examples/prompts/suite.json (or text files); budgets
+              256/512/1024, buffer 128, answers of up to --smol-max-tokens tokens ending at
+              <|im_end|> (the full cache's greedy answer is the teacher-forced text). For
+              prompts with an expected fact (answer_contains), --free-run lets each policy
+              answer greedily on its own (no teacher forcing) and the fact is looked up in
+              that answer.
   stories260K the llama2.c stories260K checkpoint, BOS prompt, 500 steps, budgets
               64/128/256, buffer 32.
   synthetic   the CLI's deterministic synthetic model (random weights, stories260K shape),
               511 steps (its seq_len is 512), budgets 32/64/128, buffer 32.
 
 KV bytes saved = 1 - kv_bytes_final / full_kv_bytes_final (pages held at the end of the
-run, policy engine vs full-cache engine). Every CLI result is cached under --cache (one
+run, policy engine vs full-cache engine). A run whose cache never reaches budget + buffer
+is the full cache exactly and is reported as such. Every sweep is cached under --cache (one
 JSON per command line), so an interrupted report resumes where it stopped.
 
   /work/kvkit-venv/bin/python scripts/r1kv-quality-report.py --kvkit build/examples/kvkit \\
-      [--smol-prompts doc-1,report_770,code-sudoku] [--smol-max-tokens 256] [--jobs 2]
+      [--smol-prompts doc-1,code-sudoku:256] [--smol-max-tokens 1024] [--jobs 2]
 
 Needs matplotlib (scripts/setup-venv.sh installs it) for the plot; the table is written
 without it.
@@ -39,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ["r1kv", "snapkv", "streaming"]
+WINDOW = 8  # the policies' default query window (kvkit sweep --window)
 LABELS = {"r1kv": "R1KV", "snapkv": "SnapKV", "streaming": "StreamingLLM", "full": "full cache"}
 
 
@@ -50,14 +57,18 @@ def parse_args():
                     help="folder with stories260K.bin and SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--workloads", default="synthetic,stories260K,smollm2",
                     help="comma-separated subset of synthetic,stories260K,smollm2")
-    ap.add_argument("--smol-prompts", default="report_770,code-sudoku",
-                    help="suite.json ids (first turn) or examples/prompts/<name>.txt, comma-separated; "
-                         "NAME:N answers N tokens instead of --smol-max-tokens")
+    ap.add_argument("--smol-prompts", default="long_doc,code",
+                    help="suite.json ids (first turn), suite kinds (long_doc, code: all its prompts) or "
+                         "examples/prompts/<name>.txt, comma-separated; NAME:N answers N tokens instead "
+                         "of --smol-max-tokens, NAME:N:F (or NAME::F) also F free-run tokens instead of "
+                         "--fact-max-tokens")
     ap.add_argument("--smol-budgets", default="256,512,1024")
     ap.add_argument("--smol-buffer", type=int, default=128)
-    ap.add_argument("--smol-max-tokens", type=int, default=256, help="answer tokens per run (issue: up to 1K)")
-    ap.add_argument("--fact-max-tokens", type=int, default=48,
-                    help="tokens of the free-running answer checked for the expected fact (0: skip)")
+    ap.add_argument("--smol-max-tokens", type=int, default=1024,
+                    help="answer tokens at most per run, ending at <|im_end|> (issue: up to 1K)")
+    ap.add_argument("--fact-max-tokens", type=int, default=0,
+                    help="tokens of the free-running answer checked for the expected fact "
+                         "(default: the answer's --smol-max-tokens; -1: no free runs)")
     ap.add_argument("--stories-steps", type=int, default=500)
     ap.add_argument("--synthetic-steps", type=int, default=511)
     ap.add_argument("--threads", type=int, default=1, help="--threads of each CLI run")
@@ -101,14 +112,22 @@ class Runner:
 
 
 def smol_prompts(names, cache):
-    """(id, prompt file, expected strings, answer tokens or None) for each name[:tokens]."""
+    """(id, prompt file, expected strings, answer tokens or None, free-run tokens or None) for each
+    name[:tokens[:free tokens]]."""
     with open(os.path.join(REPO, "examples", "prompts", "suite.json")) as f:
         suite = {p["id"]: p for p in json.load(f)["prompts"]}
     known_facts = {"report_770": ["2013"]}  # the reservoir question of report_770.txt
-    out = []
+    items = []
     for item in [n for n in names.split(",") if n]:
         name, _, tokens = item.partition(":")
+        kind = [p["id"] for p in suite.values() if p.get("kind") == name]
+        items += [k + (":" + tokens if tokens else "") for k in kind] if kind else [item]
+    out = []
+    for item in items:
+        name, _, tokens = item.partition(":")
+        tokens, _, free = tokens.partition(":")
         tokens = int(tokens) if tokens else None
+        free = int(free) if free else None
         if name in suite:
             text = suite[name]["turns"][0]
             facts = suite[name]["answer_contains"] if len(suite[name]["turns"]) == 1 else []
@@ -120,73 +139,114 @@ def smol_prompts(names, cache):
             if not os.path.exists(path):
                 sys.exit("r1kv-quality-report: no prompt '%s' (suite id or examples/prompts/*.txt)" % name)
             facts = known_facts.get(name, [])
-        out.append((name, path, facts, tokens))
+        out.append((name, path, facts, tokens, free))
     return out
 
 
 def plan(a):
-    """Every run: dict(workload, prompt, policy, budget, args, fact_args, facts)."""
-    runs = []
+    """One sweep per workload prompt: dict(workload, prompt, budgets, facts, args)."""
+    sweeps = []
     stories = os.path.join(a.models, "stories260K.bin")
     gguf = os.path.join(a.models, "SmolLM2-135M-Instruct.Q4_1.gguf")
     work = a.workloads.split(",")
-    common = ["--compare-full", "--json", "--threads", str(a.threads)]
+    pols = ["--policies", ",".join(POLICIES)]
+    common = ["--threads", str(a.threads), "--json"]
     if "synthetic" in work:
-        for b in (32, 64, 128):
-            for pol in POLICIES:
-                runs.append(dict(workload="synthetic", prompt="BOS", policy=pol, budget=b, facts=[],
-                                 args=["generate", "--prompt", "1", "--steps", str(a.synthetic_steps),
-                                       "--policy", pol, "--budget", str(b), "--buffer", "32"] + common))
+        sweeps.append(dict(workload="synthetic", prompt="BOS", budgets=[32, 64, 128], facts=[],
+                           args=["sweep", "--prompt", "1", "--steps", str(a.synthetic_steps)] + pols +
+                           ["--budgets", "32,64,128", "--buffer", "32"] + common))
     if "stories260K" in work:
-        for b in (64, 128, 256):
-            for pol in POLICIES:
-                runs.append(dict(workload="stories260K", prompt="BOS", policy=pol, budget=b, facts=[],
-                                 args=["generate", "--model", stories, "--prompt", "1", "--steps",
-                                       str(a.stories_steps), "--policy", pol, "--budget", str(b),
-                                       "--buffer", "32"] + common))
+        sweeps.append(dict(workload="stories260K", prompt="BOS", budgets=[64, 128, 256], facts=[],
+                           args=["sweep", "--model", stories, "--prompt", "1", "--steps", str(a.stories_steps)] +
+                           pols + ["--budgets", "64,128,256", "--buffer", "32"] + common))
     if "smollm2" in work:
-        for name, path, facts, tokens in smol_prompts(a.smol_prompts, a.cache):
+        budgets = [int(x) for x in a.smol_budgets.split(",")]
+        for name, path, facts, tokens, free in smol_prompts(a.smol_prompts, a.cache):
             answer = tokens or a.smol_max_tokens
-            base = ["generate", "--model", gguf, "--prompt-file", path, "--chat"]
-            # The full cache's own answer (and the prompt's length in tokens).
-            runs.append(dict(workload="smollm2", prompt=name, policy="full", budget=0, facts=facts,
-                             args=None, fact_args=base + ["--max-tokens", str(max(1, a.fact_max_tokens)),
-                                                          "--json", "--threads", str(a.threads)]))
-            for b in [int(x) for x in a.smol_budgets.split(",")]:
-                for pol in POLICIES:
-                    pol_args = ["--policy", pol, "--budget", str(b), "--buffer", str(a.smol_buffer)]
-                    r = dict(workload="smollm2", prompt=name, policy=pol, budget=b, facts=facts,
-                             need=b + a.smol_buffer, max_tokens=answer,
-                             args=base + ["--max-tokens", str(answer)] + pol_args + common)
-                    if facts and a.fact_max_tokens > 0:
-                        r["fact_args"] = base + ["--max-tokens", str(a.fact_max_tokens)] + pol_args + [
-                            "--json", "--threads", str(a.threads)]
-                    runs.append(r)
-    return runs
+            args = ["sweep", "--model", gguf, "--prompt-file", path, "--chat", "--stop-at-eos",
+                    "--max-tokens", str(answer)] + pols + [
+                        "--budgets", ",".join(map(str, budgets)), "--buffer", str(a.smol_buffer)]
+            if facts and a.fact_max_tokens >= 0:
+                args += ["--free-run", "--free-max-tokens", str(free or a.fact_max_tokens or answer)]
+            sweeps.append(dict(workload="smollm2", prompt=name, budgets=budgets, facts=facts,
+                               max_tokens=answer, args=args + common))
+    return sweeps
 
 
-def execute(runner, r, prompt_len=None):
-    res = dict(r)
-    n = (prompt_len or {}).get((r["workload"], r["prompt"]))
-    if "need" in r and n is not None and n + r["max_tokens"] < r["need"]:
-        # The cache never reaches budget + buffer: the run is the full cache exactly.
-        res["skipped"] = "%d prompt + %d answer tokens < budget + buffer %d" % (n, r["max_tokens"], r["need"])
-        return res
+def generate_command(sw, pol, budget):
+    """The `kvkit generate --compare-full` command line one run of a sweep equals."""
+    args, out, i = sw["args"], ["kvkit", "generate"], 1
+    while i < len(args):
+        k = args[i]
+        if k in ("--policies", "--budgets"):
+            i += 2
+            continue
+        if k in ("--free-run",):
+            i += 1
+            continue
+        if k == "--free-max-tokens":
+            i += 2
+            continue
+        out.append(k)
+        i += 1
+    return shlex.join(out + ["--policy", pol, "--budget", str(budget), "--compare-full"])
+
+
+def execute(runner, sw):
+    """The sweep's runs, one result dict per (policy, budget) plus the full cache's."""
+    base = {k: sw[k] for k in ("workload", "prompt", "facts")}
     try:
-        if r.get("args"):
-            res["result"] = runner.run(r["args"])
-        if r.get("fact_args"):
-            d = runner.run(r["fact_args"])
-            text = d.get("text")
-            if text is None and d.get("sequences"):
-                text = d["sequences"][0].get("text", "")
-            res["answer"] = text or ""
-            res["prompt_tokens"] = len(d.get("prompt_tokens") or [])
-            res["fact_kept"] = all(f in res["answer"] for f in r["facts"])
-    except Exception as e:  # keep going: a failed run is reported in the table
-        res["error"] = str(e)
+        d = runner.run(sw["args"])
+    except Exception as e:  # keep going: a failed sweep is reported in the table
         print("r1kv-quality-report: " + str(e), file=sys.stderr, flush=True)
-    return res
+        return [dict(base, policy=p, budget=b, error=str(e)) for p in POLICIES for b in sw["budgets"]]
+    n_prompt = len(d.get("prompt_tokens") or [])
+    sw["wall_s"] = d.get("_wall_s", 0)
+    full = d["full"]
+    out = []
+    if sw["facts"]:
+        text = full.get("text", "")
+        out.append(dict(base, policy="full", budget=0, answer=text, prompt_tokens=n_prompt,
+                        answer_tokens=len(full["tokens"]), stop=full["stop"],
+                        fact_kept=all(f in text for f in sw["facts"])))
+    for r in d["runs"]:
+        res = dict(base, policy=r["policy"], budget=r["budget"], sweep_command=d["_command"],
+                   command=generate_command(sw, r["policy"], r["budget"]))
+        if "skipped" in r:
+            res["skipped"] = "%d prompt + %d answer tokens < budget + buffer %d" % (
+                n_prompt, len(full["tokens"]) if sw["workload"] == "smollm2" else 0, r["budget"] + r["buffer"]) \
+                if sw["workload"] == "smollm2" else r["skipped"]
+            if sw["facts"]:  # identical to the full cache, its answer included
+                res["answer"] = full.get("text", "")
+                res["fact_kept"] = all(f in res["answer"] for f in sw["facts"])
+            out.append(res)
+            continue
+        res["result"] = dict(r, prompt_tokens=d.get("prompt_tokens"))
+        # Until the first compression the policy engine is the full cache exactly (agreement
+        # 1, KL 0): it compresses after the first step whose cache holds budget + buffer tokens
+        # and whose query window (8 steps; prefilled prompt tokens feed none) is full. The
+        # metrics over the steps after it are what the policy changed.
+        n = r["compare_steps"]
+        kv0 = n_prompt - 1 if sw["workload"] == "smollm2" else 0  # cached before step 1
+        first = max(WINDOW, r["budget"] + r["buffer"] - kv0, 1)
+        pre = min(first, n)
+        post = n - pre
+        res["result"]["post_steps"] = post
+        if post > 0:
+            res["result"]["post_top1_agreement"] = (round(r["top1_agreement"] * n) - pre) / post
+            res["result"]["post_mean_kl"] = r["mean_kl"] * n / post
+        if "free" in r:
+            res["answer"] = r["free"].get("text", "")
+            res["answer_stop"] = r["free"].get("stop")
+            res["fact_kept"] = all(f in res["answer"] for f in sw["facts"])
+        out.append(res)
+    return out
+
+
+def suite_kinds():
+    """suite.json id -> kind (long_doc, code, chat)."""
+    with open(os.path.join(REPO, "examples", "prompts", "suite.json")) as f:
+        return {p["id"]: p.get("kind", "") for p in json.load(f)["prompts"]}
 
 
 def summarize(results):
@@ -204,6 +264,13 @@ def summarize(results):
             steps = [max(1, r["result"].get("compare_steps", 1)) for r in ok]
             tot = float(sum(steps))
             row["steps"] = int(tot)
+            post = [r["result"]["post_steps"] for r in ok]
+            row["post_steps"] = sum(post)
+            if sum(post):
+                row["post_top1_agreement"] = sum(r["result"].get("post_top1_agreement", 0) * q
+                                                 for r, q in zip(ok, post)) / sum(post)
+                row["post_mean_kl"] = sum(r["result"].get("post_mean_kl", 0) * q for r, q in zip(ok, post)) / sum(post)
+            row["n_run"] = len(ok)
             row["prompt_tokens"] = max(len(r["result"].get("prompt_tokens") or []) for r in ok)
             row["top1_agreement"] = sum(r["result"]["top1_agreement"] * s for r, s in zip(ok, steps)) / tot
             row["mean_kl"] = sum(r["result"]["mean_kl"] * s for r, s in zip(ok, steps)) / tot
@@ -226,30 +293,38 @@ def summarize(results):
 
 
 def table(rows):
-    lines = ["| workload | budget | policy | prompt (tokens) | compared steps | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | max KL | fact in greedy answer |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| workload | budget | policy | prompt (tokens) | compared steps (after 1st compression) | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | top-1 after 1st compression | mean KL after | max KL | fact in greedy answer |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for x in rows:
         fact = "%d/%d" % (x["facts_kept"], x["facts_total"]) if "facts_total" in x else ""
         if "top1_agreement" not in x:
             if x["policy"] == "full" and fact:
-                lines.append("| %s | - | full cache | %s | | | | | | | %s |" % (x["workload"], ", ".join(x["prompts"]), fact))
-            elif x["skipped"] and x["policy"] == "r1kv":
-                lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||" % (
-                    x["workload"], x["budget"], ", ".join(x["prompts"]), x["skipped"][0]))
+                lines.append("| %s | - | full cache | %s | | | | | | | | | %s |" % (x["workload"], ", ".join(x["prompts"]), fact))
+            elif x["skipped"] and not x["errors"] and x["policy"] == "r1kv":
+                why = x["skipped"][0] if len(x["skipped"]) == 1 else "in no prompt do prompt + answer tokens reach budget + buffer"
+                lines.append("| %s | %d | all | %s | no compression: %s, so identical to the full cache |||||||||" % (
+                    x["workload"], x["budget"], ", ".join(x["prompts"]), why))
+            elif x["skipped"] and not x["errors"]:
+                continue
             elif x["errors"] and all("--cached-only" in e for e in x["errors"]):
-                lines.append("| %s | %d | %s | %s | not run in time |||||||" % (
+                lines.append("| %s | %d | %s | %s | not run in time |||||||||" % (
                     x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"])))
             elif x["errors"]:
-                lines.append("| %s | %d | %s | %s | failed: %s |||||||" % (
+                lines.append("| %s | %d | %s | %s | failed: %s |||||||||" % (
                     x["workload"], x["budget"], LABELS[x["policy"]], ", ".join(x["prompts"]),
                     x["errors"][0].splitlines()[0][:120]))
             continue
         name = ", ".join(x["prompts"])
-        if x["workload"] == "smollm2":
+        if name.startswith("all "):  # an aggregate over prompts
+            name += " (%d compressed%s)" % (x["n_run"], ", %d never reach budget + buffer (= full cache)" %
+                                            len(x["skipped"]) if x["skipped"] else "")
+        elif x["workload"] == "smollm2":
             name += " (%d)" % x["prompt_tokens"]
-        lines.append("| %s | %d | %s | %s | %d | %d | %.1f %% | %.4f | %.4f | %.3f | %s |" % (
-            x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"],
-            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], x["max_kl"], fact))
+        post = ("%.4f" % x["post_top1_agreement"], "%.4f" % x["post_mean_kl"]) if "post_top1_agreement" in x else ("-", "-")
+        lines.append("| %s | %d | %s | %s | %d (%d) | %d | %.1f %% | %.4f | %.4f | %s | %s | %.3f | %s |" % (
+            x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"], x["post_steps"],
+            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], post[0], post[1],
+            x["max_kl"], fact))
     return "\n".join(lines)
 
 
@@ -274,7 +349,8 @@ def plot(rows, path):
         for pol in POLICIES:
             m, col = style[pol]
             for k, pr in enumerate(prompts):  # one line per (policy, prompt)
-                pts = sorted((r["kv_saved"] * 100, r["top1_agreement"], max(r["mean_kl"], 1e-6), r["budget"])
+                pts = sorted((r["kv_saved"] * 100, r.get("post_top1_agreement", r["top1_agreement"]),
+                              max(r.get("post_mean_kl", r["mean_kl"]), 1e-6), r["budget"])
                              for r in rows if r["workload"] == w and r["policy"] == pol and "kv_saved" in r
                              and r["prompts"][0] == pr)
                 if not pts:
@@ -287,8 +363,8 @@ def plot(rows, path):
                 for p in pts:
                     axes[0][c].annotate(str(p[3]), (p[0], p[1]), textcoords="offset points", xytext=(3, 3), fontsize=7)
         axes[0][c].set_title(w)
-        axes[0][c].set_ylabel("top-1 agreement with the full cache")
-        axes[1][c].set_ylabel("mean KL (nats, log)")
+        axes[0][c].set_ylabel("top-1 agreement with the full cache\n(steps after the 1st compression)")
+        axes[1][c].set_ylabel("mean KL (nats, log; same steps)")
         axes[1][c].set_yscale("log")
         for r in (0, 1):
             axes[r][c].set_xlabel("KV bytes saved at the end (%)")
@@ -305,34 +381,52 @@ def main():
     if not os.path.exists(a.kvkit):
         sys.exit("r1kv-quality-report: no kvkit binary at %s (--kvkit)" % a.kvkit)
     runner = Runner(os.path.abspath(a.kvkit), a.cache, a.cached_only)
-    runs = plan(a)
-    print("r1kv-quality-report: %d configurations, %d jobs at once" % (len(runs), a.jobs), file=sys.stderr)
+    sweeps = plan(a)
+    print("r1kv-quality-report: %d sweeps, %d jobs at once" % (len(sweeps), a.jobs), file=sys.stderr)
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
-        first = [r for r in runs if r["policy"] == "full"]  # prompt lengths first
-        results = list(ex.map(lambda r: execute(runner, r), first))
-        lens = {(r["workload"], r["prompt"]): r["prompt_tokens"] for r in results if r.get("prompt_tokens")}
-        results += list(ex.map(lambda r: execute(runner, r, lens), [r for r in runs if r["policy"] != "full"]))
+        results = [r for rs in ex.map(lambda sw: execute(runner, sw), sweeps) for r in rs]
+    kinds = suite_kinds()
     rows = summarize(results)
+    # SmolLM2 over all prompts of a kind (step-weighted agreement and KL, facts summed).
+    agg = summarize([dict(r, prompt="all %s prompts" % kinds[r["prompt"]]) for r in results
+                     if r["workload"] == "smollm2" and r["prompt"] in kinds])
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"rows": rows, "runs": [{k: v for k, v in r.items() if k != "result"} |
-                                          ({"result": {k: v for k, v in r["result"].items()
-                                                       if k not in ("tokens", "prompt_tokens", "sequences")}}
-                                           if "result" in r else {})
-                                          for r in results]}, f, indent=1)
-    have_plot = plot(rows, a.out + ".svg")
+        json.dump({"aggregate": agg, "rows": rows,
+                   "runs": [{k: v for k, v in r.items() if k != "result"} |
+                            ({"result": {k: v for k, v in r["result"].items()
+                                         if k not in ("tokens", "prompt_tokens", "sequences", "free")}}
+                             if "result" in r else {})
+                            for r in results]}, f, indent=1)
+    have_plot = plot((agg or [r for r in rows if r["workload"] == "smollm2"]) +
+                     [r for r in rows if r["workload"] != "smollm2"], a.out + ".svg")
     cmd = "scripts/r1kv-quality-report.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    ex_run = next((r for r in results if "result" in r and r["workload"] == "smollm2"),
+                  next((r for r in results if "result" in r), None))
+    wall = sum(r["result"].get("seconds", 0) for r in results if "result" in r)
     md = ["# Compressor policies: quality at equal budgets", "",
-          "Produced by `%s` (%.0f s, CLI runs cached in %s). Each run: `kvkit generate --policy P "
-          "--budget B --buffer U --compare-full --json` (teacher-forced against the full cache); "
-          "example: `%s`." % (cmd, time.time() - t0, a.cache,
-                             next((r["result"]["_command"] for r in results if "result" in r), "")),
-          "", "SmolLM2: answers of %d tokens, buffer %d; the fact column is the policy's own greedy "
-          "answer (%d tokens, no teacher forcing) containing the expected string. stories260K: %d "
-          "steps, buffer 32. synthetic: %d steps, buffer 32." % (
-              a.smol_max_tokens, a.smol_buffer, a.fact_max_tokens, a.stories_steps, a.synthetic_steps),
-          "", table(rows), ""]
+          "Produced by `%s` (sweeps cached in %s; their wall times sum to %.0f s, %d sweeps). Each prompt is one `kvkit sweep` "
+          "(the full cache runs once; every policy x budget is teacher-forced with its greedy tokens "
+          "and compared with its logits), which gives exactly the numbers of `kvkit generate --policy P "
+          "--budget B --buffer U --compare-full --json` run alone (tests/test_cli_sweep.cpp)." % (
+              cmd, a.cache, sum(sw.get("wall_s", 0) for sw in sweeps), len(sweeps)), ""]
+    if ex_run:
+        md += ["Example: `%s` = one run of `%s`." % (ex_run["command"], ex_run["sweep_command"]), ""]
+    caps = {}  # (answer tokens, free-run tokens) -> prompts
+    for sw in sweeps:
+        if sw["workload"] == "smollm2":
+            free = sw["args"][sw["args"].index("--free-max-tokens") + 1] if "--free-max-tokens" in sw["args"] else "-"
+            caps.setdefault((sw["max_tokens"], free), []).append(sw["prompt"])
+    md += ["SmolLM2: answers ending at <|im_end|> (the full cache's greedy answer, teacher-forced), buffer "
+           "%d; the fact column is the policy's own greedy answer (no teacher forcing) containing the "
+           "expected string(s) of suite.json's answer_contains. Answer / free-run tokens at most: %s. "
+           "stories260K: %d steps, buffer 32. synthetic: %d steps, buffer 32." % (
+               a.smol_buffer, "; ".join("%s / %s (%s)" % (k[0], k[1], ", ".join(v)) for k, v in caps.items()),
+               a.stories_steps, a.synthetic_steps), ""]
+    if agg:
+        md += ["## SmolLM2 over the prompts of each kind", "", table(agg), ""]
+    md += ["## Every prompt", "", table(rows), ""]
     if have_plot:
         md += ["![KV bytes saved vs fidelity](%s)" % os.path.basename(a.out + ".svg"), ""]
     with open(a.out + ".md", "w") as f:
