@@ -482,6 +482,44 @@ inline void quant_matmul(exec::Host ex, const QMatvecOut* outs /* [n] */, int n,
     const std::int32_t r0 = (local / j.tok_blocks) * kRowsPerTask, r1 = std::min(w.rows, r0 + kRowsPerTask);
     const std::int32_t t0 = (local % j.tok_blocks) * kTokensPerTask, t1 = std::min(j.T, t0 + kTokensPerTask);
     float* y = j.outs[i].y;
+#if defined(KVKIT_QMV_SCALAR)
+    if (w.format != QuantFormat::kF32 && w.format != QuantFormat::kF16) {
+      // Portable path: unpacking a block's nibbles costs more than its integer dot, so each
+      // weight block is unpacked once and dotted with every token of the task. Per token
+      // the float operations are row_dot's, in its order (acc over blocks, then + extra).
+      const std::int32_t nb = w.cols / 32, nt = t1 - t0;
+      const int bb = quant_block_bytes(w.format);
+      for (std::int32_t r = r0; r < r1; ++r) {
+        float acc[kTokensPerTask] = {}, extra[kTokensPerTask] = {};
+        const unsigned char* p = w.row(r);
+        for (std::int32_t b = 0; b < nb; ++b, p += bb) {
+          std::int16_t wv[32];
+          if (w.format == QuantFormat::kQ8_0) {
+            for (int e = 0; e < 32; ++e) wv[e] = static_cast<std::int8_t>(p[2 + e]);
+          } else {
+            const unsigned char* qs = p + (w.format == QuantFormat::kQ4_0 ? 2 : 4);
+            const int off = w.format == QuantFormat::kQ4_0 ? 8 : 0;
+            for (int e = 0; e < 16; ++e) {
+              wv[e] = static_cast<std::int16_t>((qs[e] & 0x0f) - off);
+              wv[e + 16] = static_cast<std::int16_t>((qs[e] >> 4) - off);
+            }
+          }
+          const float dw = detail::f16_at(p);
+          const float mw = w.format == QuantFormat::kQ4_1 ? detail::f16_at(p + 2) : 0.f;
+          for (std::int32_t k = 0; k < nt; ++k) {
+            const Q8Act& a = j.acts[t0 + k].q[b];
+            std::int32_t dot = 0;
+            for (int e = 0; e < 32; ++e) dot += wv[e] * static_cast<std::int16_t>(a.q[e]);
+            acc[k] += static_cast<float>(dot) * (dw * a.d);
+            if (w.format == QuantFormat::kQ4_1) extra[k] += mw * a.s;
+          }
+        }
+        for (std::int32_t k = 0; k < nt; ++k)
+          y[static_cast<std::size_t>(t0 + k) * static_cast<std::size_t>(w.rows) + r] = acc[k] + extra[k];
+      }
+      return;
+    }
+#endif
     for (std::int32_t tok = t0; tok < t1; ++tok) {
       float* yt = y + static_cast<std::size_t>(tok) * static_cast<std::size_t>(w.rows);
       for (std::int32_t r = r0; r < r1; ++r) yt[r] = row_dot(w, r, j.acts[tok]);
