@@ -413,7 +413,7 @@ LoadedModel load_model(const Options& o) {
             "synthetic"};
   }
   if (is_gguf(o.model))
-    return {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(o.model)), o.model};
+    return {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(o.model, /*float_projections=*/false)), o.model};
   return {std::make_shared<const Checkpoint>(kvkit::engine::load_checkpoint(o.model)), o.model};
 }
 
@@ -810,7 +810,7 @@ struct TextModel {
 TextModel load_text_model(const std::string& path) {
   const kvkit::engine::GgufFile g = kvkit::engine::GgufFile::open(path);
   TextModel t;
-  t.model = {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(g)), path};
+  t.model = {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(g, /*float_projections=*/false)), path};
   t.tok = std::make_shared<const Tokenizer>(Tokenizer::from_gguf(g));
   if (g.has("tokenizer.chat_template")) t.tmpl = ChatTemplate::from_gguf(g);
   t.end_of_turn = t.tok->find_token("<|im_end|>");

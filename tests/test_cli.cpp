@@ -444,7 +444,7 @@ TEST_CASE("kvkit generate with a GGUF model: text in, chat answer out, JSON fiel
     return;
   }
   const std::string model = "--model " + quoted(kSmolPath);
-  const std::string question = "What is the capital of France?";
+  const std::string question = "What is the capital of Germany?";
   const GgufFile g = GgufFile::open(kSmolPath);
   const Tokenizer tok = Tokenizer::from_gguf(g);
   const ChatTemplate tmpl = ChatTemplate::from_gguf(g);
@@ -455,7 +455,7 @@ TEST_CASE("kvkit generate with a GGUF model: text in, chat answer out, JSON fiel
                                 " --max-tokens 32 --stop-at-eos");
     INFO("stderr: " << r.err);
     REQUIRE(r.code == 0);
-    CHECK(r.out.find("Paris") != std::string::npos);
+    CHECK(r.out.find("Berlin") != std::string::npos);
     CHECK(r.out.find("<|im_end|>") == std::string::npos);
     CHECK(r.err.find("tokens/s") != std::string::npos);
   }
@@ -468,14 +468,10 @@ TEST_CASE("kvkit generate with a GGUF model: text in, chat answer out, JSON fiel
     const Tokens gen = j.at("tokens").get<Tokens>();
     REQUIRE_FALSE(gen.empty());
     CHECK(j.at("text") == tok.decode(gen, false));
-    // Batched prefill runs the prompt through the float32 weights, --prefill tokens through
-    // the quantized decode products (as llama.cpp does); on this near-tie question the
-    // latter answers like llama.cpp ("L'Étoile..."), so only the batched answer is checked
-    // for the fact and the end of turn.
-    if (mode == "batch") {
-      CHECK(j.at("text").get<std::string>().find("Paris") != std::string::npos);
-      CHECK(j.at("stop") == "eos");
-    }
+    // Both modes run the prompt on the quantized products (as llama.cpp does). (On "What is
+    // the capital of France?" this file answers "L'Étoile..." then, llama.cpp's answer too.)
+    CHECK(j.at("text").get<std::string>().find("Berlin") != std::string::npos);
+    CHECK(j.at("stop") == "eos");
     // The sequence holds prompt + answer (+ the pending <|im_end|> after an end of turn).
     Tokens all = prompt;
     all.insert(all.end(), gen.begin(), gen.end());
@@ -533,14 +529,14 @@ TEST_CASE("kvkit chat keeps the conversation's KV between turns", "[cli][gguf][c
   }
   TempDir tmp("chat");
   const std::string in = tmp.file("in.txt");
-  std::ofstream(in) << "What is the capital of France?\n\nAnd what is the capital of Germany?\n";
+  std::ofstream(in) << "What is the capital of Germany?\n\nAnd what is the capital of Japan?\n";
   const std::string args = "chat --model " + quoted(kSmolPath) + " --max-tokens 48 < " + quoted(in);
   const Json j = run_json("chat --json --model " + quoted(kSmolPath) + " --max-tokens 48 < " + quoted(in));
   const Json& turns = j.at("turns");
   REQUIRE(turns.size() == 2);  // the blank line is not a turn
   const Json &t1 = turns[0], &t2 = turns[1];
-  CHECK(t1.at("text").get<std::string>().find("Paris") != std::string::npos);
-  CHECK(t2.at("text").get<std::string>().find("Berlin") != std::string::npos);
+  CHECK(t1.at("text").get<std::string>().find("Berlin") != std::string::npos);
+  CHECK(t2.at("text").get<std::string>().find("Tokyo") != std::string::npos);
   CHECK(t1.at("reused_tokens") == 0);
   CHECK(t1.at("stop") == "eos");
   // Turn 2 reuses every cached token of turn 1 and processes only its own: the pending
@@ -557,9 +553,9 @@ TEST_CASE("kvkit chat keeps the conversation's KV between turns", "[cli][gguf][c
   const GgufFile g = GgufFile::open(kSmolPath);
   const Tokenizer tok = Tokenizer::from_gguf(g);
   const ChatTemplate tmpl = ChatTemplate::from_gguf(g);
-  const std::vector<ChatMessage> conversation = {{"user", "What is the capital of France?"},
+  const std::vector<ChatMessage> conversation = {{"user", "What is the capital of Germany?"},
                                                  {"assistant", t1.at("text").get<std::string>()},
-                                                 {"user", "And what is the capital of Germany?"}};
+                                                 {"user", "And what is the capital of Japan?"}};
   Tokens transcript = t1.at("prompt_tokens").get<Tokens>();
   for (std::int32_t t : tok.encode(t1.at("text").get<std::string>(), false)) transcript.push_back(t);
   transcript.push_back(tok.find_token("<|im_end|>"));
@@ -575,8 +571,8 @@ TEST_CASE("kvkit chat keeps the conversation's KV between turns", "[cli][gguf][c
     const CliResult r = run_cli(args);
     INFO("stderr: " << r.err);
     REQUIRE(r.code == 0);
-    CHECK(r.out.find("Paris") != std::string::npos);
     CHECK(r.out.find("Berlin") != std::string::npos);
+    CHECK(r.out.find("Tokyo") != std::string::npos);
     CHECK(r.err.find("turn 2") != std::string::npos);
     CHECK(r.err.find("reused from the cache") != std::string::npos);
   }

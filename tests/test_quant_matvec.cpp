@@ -429,3 +429,146 @@ TEST_CASE("SmolLM2: quantized decode is bitwise identical on 1 and 2 threads", "
   WARN("SmolLM2 first step, quantized vs float logits: max difference " << diff << " (relative " << diff / mag << ")");
   CHECK(diff / mag < 0.05);
 }
+
+TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thread count bit for bit", "[quant][parallel]") {
+  KVKIT_TEST_RNG(rng);
+  INFO("path " << quant_isa());
+  for (QuantFormat f : kAll) {
+    INFO("format " << quant_format_name(f));
+    const int cols = 96;
+    const int row_counts[3] = {1, 33, 77};
+    std::vector<std::vector<unsigned char>> bytes;
+    std::vector<QMatrix> ws;
+    for (int rows : row_counts) {
+      bytes.push_back(random_matrix(f, rows, cols, rng));
+      ws.push_back(QMatrix::make(f, rows, cols, bytes.back().data()));
+    }
+    for (std::int32_t T : {1, 7, 64, 130}) {  // one, a partial, exactly one and several token blocks
+      INFO("tokens " << T);
+      std::vector<float> x;
+      for (std::int32_t t = 0; t < T; ++t) {
+        const std::vector<float> xt = random_activation(cols, rng);
+        x.insert(x.end(), xt.begin(), xt.end());
+      }
+      std::vector<Q8Act> q(static_cast<std::size_t>(T) * (cols / 32));
+      std::vector<QActivation> acts;
+      for (std::int32_t t = 0; t < T; ++t) {
+        quantize_activation(x.data() + t * cols, cols, q.data() + t * (cols / 32));
+        acts.push_back(QActivation{x.data() + t * cols, q.data() + t * (cols / 32), cols});
+      }
+      // Reference: quant_matvec token by token, one thread.
+      std::vector<std::vector<float>> want(3);
+      for (int i = 0; i < 3; ++i) {
+        const QMatrix& w = ws[static_cast<std::size_t>(i)];
+        want[static_cast<std::size_t>(i)].resize(static_cast<std::size_t>(T) * w.rows);
+        for (std::int32_t t = 0; t < T; ++t)
+          quant_matvec(exec::Host{}, w, acts[static_cast<std::size_t>(t)],
+                       want[static_cast<std::size_t>(i)].data() + static_cast<std::size_t>(t) * w.rows);
+      }
+      for (int threads : {1, 2, 3}) {
+        INFO("threads " << threads);
+        ThreadPool pool(threads);
+        std::vector<std::vector<float>> got(3);
+        std::vector<QMatvecOut> outs;
+        for (int i = 0; i < 3; ++i) {
+          got[static_cast<std::size_t>(i)].assign(want[static_cast<std::size_t>(i)].size(), -1.f);
+          outs.push_back({&ws[static_cast<std::size_t>(i)], got[static_cast<std::size_t>(i)].data()});
+        }
+        quant_matmul(pool.host(), outs.data(), 3, acts.data(), T);
+        for (int i = 0; i < 3; ++i)
+          REQUIRE(test::bitwise_equal(got[static_cast<std::size_t>(i)], want[static_cast<std::size_t>(i)]));
+      }
+    }
+  }
+  std::vector<unsigned char> b = random_matrix(QuantFormat::kQ4_1, 4, 64, rng);
+  const QMatrix w = QMatrix::make(QuantFormat::kQ4_1, 4, 64, b.data());
+  std::vector<float> x(32, 1.f), y(8);
+  std::vector<Q8Act> q(1);
+  const QActivation a[2] = {{x.data(), q.data(), 32}, {x.data(), q.data(), 32}};
+  const QMatvecOut o{&w, y.data()};
+  REQUIRE_THROWS_WITH(quant_matmul(exec::Host{}, &o, 1, a, 2), Catch::Contains("64 columns times a vector of 32"));
+}
+
+TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing", "[quant][prefill]") {
+  const QuantModel m = make_quant_model();
+  KVKIT_TEST_RNG(rng);
+  std::uniform_int_distribution<std::int32_t> tok(0, m.ck->config().vocab_size - 1);
+  std::vector<std::int32_t> prompt(45);
+  for (auto& t : prompt) t = tok(rng);
+  EngineOptions o;
+  o.page_size = 8;
+  o.max_batch = 1;
+  // Teacher forcing: one quantized decode step per prompt token.
+  Engine ref(m.ck, o);
+  const SeqId rid = ref.add_sequence(prompt);
+  for (std::size_t i = 0; i < prompt.size(); ++i) ref.step();
+  for (int threads : {1, 2, 3}) {
+    o.threads = threads;
+    Engine eng(m.ck, o);
+    REQUIRE(eng.model().quantized());
+    std::vector<std::int32_t> pages;
+    for (int i = 0; i < 6; ++i) pages.push_back(eng.allocator().allocate());
+    std::vector<PagedKVView<float>> pools;
+    for (int l = 0; l < eng.config().n_layers; ++l)
+      pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
+                                    CsrPageTable{nullptr, nullptr, nullptr, 0}));
+    std::vector<float> logits(static_cast<std::size_t>(eng.config().vocab_size));
+    for (std::int32_t chunk : {16, 512}) {
+      Prefiller pre(chunk);
+      // The paged decode kernel per token: the same attention arithmetic as a step, so the
+      // whole prefill is the teacher-forced run bit for bit (projections: quant_matmul's
+      // columns are quant_matvec's products).
+      pre.set_tiled_attention(false);
+      INFO("threads " << threads << " chunk " << chunk);
+      REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
+      REQUIRE(test::bitwise_equal(logits, ref.last_logits(rid)));
+      // Tiled attention sums in another order: close, not equal.
+      pre.set_tiled_attention(true);
+      REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
+      double diff = 0, mag = 0;
+      for (std::size_t i = 0; i < logits.size(); ++i) {
+        diff = std::max(diff, std::abs(static_cast<double>(logits[i]) - ref.last_logits(rid)[i]));
+        mag = std::max(mag, std::abs(static_cast<double>(ref.last_logits(rid)[i])));
+      }
+      INFO("tiled prefill vs teacher forcing: max |diff| / max |logit| = " << diff / mag);
+      CHECK(diff / mag < 0.05);
+    }
+  }
+}
+
+TEST_CASE("A checkpoint with quantized projections only: same quantized run bit for bit, float path refused", "[quant][engine]") {
+  const QuantModel m = make_quant_model();
+  const Checkpoint& full = *m.ck;
+  const ModelConfig& c = full.config();
+  // Embedding and norms only, in file order.
+  std::vector<float> w(full.token_embedding(), full.token_embedding() + static_cast<std::size_t>(c.vocab_size) * c.dim);
+  for (int l = 0; l < c.n_layers; ++l) w.insert(w.end(), full.rms_att(l), full.rms_att(l) + c.dim);
+  for (int l = 0; l < c.n_layers; ++l) w.insert(w.end(), full.rms_ffn(l), full.rms_ffn(l) + c.dim);
+  w.insert(w.end(), full.rms_final(), full.rms_final() + c.dim);
+  REQUIRE(w.size() == checkpoint_norm_weight_count(c));
+  const auto q = std::make_shared<const Checkpoint>(c, w, "quantized only", full.quantized());
+  CHECK_FALSE(q->has_float_projections());
+  CHECK(q->wq(0) == nullptr);
+  CHECK(q->w2(c.n_layers - 1) == nullptr);
+  REQUIRE(test::bitwise_equal(run_logits(q, 1, true, 12), run_logits(m.ck, 1, true, 12)));
+  REQUIRE(test::bitwise_equal(run_logits(q, 2, true, 12), run_logits(m.ck, 1, true, 12)));
+  // Batched prefill (Engine::prefill) on it equals the full checkpoint's.
+  std::vector<std::vector<float>> logits;
+  for (const auto& ck : {q, m.ck}) {
+    EngineOptions o;
+    o.max_batch = 1;
+    o.num_pages = 8;
+    Engine eng(ck, o);
+    const SeqId id = eng.add_sequence({1, 7, 3, 9, 22, 41, 5, 60, 2});
+    CHECK(eng.prefill(id) == 8);
+    eng.step();
+    logits.push_back(eng.last_logits(id));
+  }
+  REQUIRE(test::bitwise_equal(logits[0], logits[1]));
+  EngineOptions fl;
+  fl.quantized_matvec = false;
+  CHECK_THROWS_WITH(Engine(q, fl), Catch::Contains("has only quantized projections"));
+  CHECK_THROWS_WITH(serialize_checkpoint(*q), Catch::Contains("no float projections"));
+  CHECK_THROWS_WITH(Checkpoint(c, std::vector<float>(3), "bad", full.quantized()), Catch::Contains("expected"));
+  CHECK_THROWS_WITH(Checkpoint(c, w, "bad", nullptr), Catch::Contains("needs quantized weights"));
+}

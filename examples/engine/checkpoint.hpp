@@ -120,6 +120,15 @@ inline std::uint64_t checkpoint_weight_count(const ModelConfig& c) {
   return n;
 }
 
+/// Float32 weights besides the projections: token embedding, rms_att, rms_ffn, rms_final.
+inline std::uint64_t checkpoint_norm_weight_count(const ModelConfig& c) {
+  validate_config(c);
+  using U = std::uint64_t;
+  const U dim = static_cast<U>(c.dim);
+  return detail::checked_mul(static_cast<U>(c.vocab_size), dim, "weights") +
+         detail::checked_mul(static_cast<U>(c.n_layers), dim, "weights") * 2 + dim;
+}
+
 /// Exact file size in bytes implied by a header (legacy RoPE tables included).
 inline std::uint64_t expected_checkpoint_bytes(const ModelConfig& c) {
   const std::uint64_t rope = 2 * detail::checked_mul(static_cast<std::uint64_t>(c.seq_len),
@@ -169,24 +178,57 @@ class Checkpoint {
                   ": non-finite weight ", weights_[i], " at float index ", i);
   }
 
+  /// A checkpoint whose projections exist only as quantized blocks (no float32 copy: for a
+  /// GGUF model that decodes and prefills on its quantized weights). `weights` holds, in
+  /// file order, only token_embedding, rms_att, rms_ffn and rms_final
+  /// (checkpoint_norm_weight_count floats); wq() ... w3() (and classifier() when not shared)
+  /// are then null, has_float_projections() is false, and a Model on it must run quantized.
+  Checkpoint(const ModelConfig& config, std::vector<float> weights, std::string source,
+             std::shared_ptr<const QuantWeights> quantized)
+      : config_(config), weights_(std::move(weights)), source_(std::move(source)),
+        quantized_(std::move(quantized)), float_projections_(false) {
+    validate_config(config_, source_);
+    KVKIT_CHECK(quantized_ != nullptr, "kvkit: checkpoint ", source_,
+                ": a checkpoint without float projections needs quantized weights");
+    KVKIT_CHECK(weights_.size() == checkpoint_norm_weight_count(config_), "kvkit: checkpoint ", source_,
+                ": got ", weights_.size(), " embedding and norm weights, expected ",
+                checkpoint_norm_weight_count(config_));
+    const std::size_t dim = static_cast<std::size_t>(config_.dim);
+    const std::size_t layers = static_cast<std::size_t>(config_.n_layers);
+    token_embedding_ = 0;
+    rms_att_ = static_cast<std::size_t>(config_.vocab_size) * dim;
+    rms_ffn_ = rms_att_ + layers * dim;
+    rms_final_ = rms_ffn_ + layers * dim;
+    classifier_ = token_embedding_;
+    for (std::size_t i = 0; i < weights_.size(); ++i)
+      KVKIT_CHECK(std::isfinite(weights_[i]), "kvkit: checkpoint ", source_,
+                  ": non-finite weight ", weights_[i], " at float index ", i);
+  }
+
   const ModelConfig& config() const { return config_; }
   const std::string& source() const { return source_; }
-  /// All weights in file order (RoPE tables removed).
+  /// Whether wq() ... w3() and classifier() point at float32 weights (false: quantized only).
+  bool has_float_projections() const { return float_projections_; }
+  /// All float weights in file order (RoPE tables removed; without float projections only
+  /// the embedding and norms).
   const std::vector<float>& weights() const { return weights_; }
 
   // Per-layer matrices are row-major [out][in], as in the file.
   const float* token_embedding() const { return at(token_embedding_); }  // [vocab, dim]
   const float* rms_att(int l) const { return at(rms_att_, l, dim()); }   // [dim]
-  const float* wq(int l) const { return at(wq_, l, dim() * dim()); }     // [dim, dim]
-  const float* wk(int l) const { return at(wk_, l, kv() * dim()); }      // [kv_dim, dim]
-  const float* wv(int l) const { return at(wv_, l, kv() * dim()); }      // [kv_dim, dim]
-  const float* wo(int l) const { return at(wo_, l, dim() * dim()); }     // [dim, dim]
-  const float* rms_ffn(int l) const { return at(rms_ffn_, l, dim()); }   // [dim]
-  const float* w1(int l) const { return at(w1_, l, hid() * dim()); }     // [hidden, dim]
-  const float* w2(int l) const { return at(w2_, l, dim() * hid()); }     // [dim, hidden]
-  const float* w3(int l) const { return at(w3_, l, hid() * dim()); }     // [hidden, dim]
-  const float* rms_final() const { return at(rms_final_); }              // [dim]
-  const float* classifier() const { return at(classifier_); }            // [vocab, dim]
+  // Projections: null without float projections (has_float_projections()).
+  const float* wq(int l) const { return proj(wq_, l, dim() * dim()); }     // [dim, dim]
+  const float* wk(int l) const { return proj(wk_, l, kv() * dim()); }      // [kv_dim, dim]
+  const float* wv(int l) const { return proj(wv_, l, kv() * dim()); }      // [kv_dim, dim]
+  const float* wo(int l) const { return proj(wo_, l, dim() * dim()); }     // [dim, dim]
+  const float* rms_ffn(int l) const { return at(rms_ffn_, l, dim()); }     // [dim]
+  const float* w1(int l) const { return proj(w1_, l, hid() * dim()); }     // [hidden, dim]
+  const float* w2(int l) const { return proj(w2_, l, dim() * hid()); }     // [dim, hidden]
+  const float* w3(int l) const { return proj(w3_, l, hid() * dim()); }     // [hidden, dim]
+  const float* rms_final() const { return at(rms_final_); }                // [dim]
+  const float* classifier() const {                                        // [vocab, dim]
+    return float_projections_ || config_.shared_classifier ? at(classifier_) : nullptr;
+  }
 
   /// The projections (and classifier) in their file's quantized blocks, for decode's
   /// quantized matrix-vector products (engine/quant_matvec.hpp); null when the checkpoint
@@ -201,11 +243,15 @@ class Checkpoint {
   const float* at(std::size_t off, int layer = 0, std::size_t per_layer = 0) const {
     return weights_.data() + off + static_cast<std::size_t>(layer) * per_layer;
   }
+  const float* proj(std::size_t off, int layer, std::size_t per_layer) const {
+    return float_projections_ ? at(off, layer, per_layer) : nullptr;
+  }
 
   ModelConfig config_;
   std::vector<float> weights_;
   std::string source_;
   std::shared_ptr<const QuantWeights> quantized_;
+  bool float_projections_ = true;
   std::size_t token_embedding_ = 0, rms_att_ = 0, wq_ = 0, wk_ = 0, wv_ = 0, wo_ = 0;
   std::size_t rms_ffn_ = 0, w1_ = 0, w2_ = 0, w3_ = 0, rms_final_ = 0, classifier_ = 0;
 };
@@ -269,6 +315,8 @@ inline Checkpoint load_checkpoint(const std::string& path) {
 /// loaders skip). Used to hand generated models to the CLI and to build bad files in tests.
 inline std::vector<unsigned char> serialize_checkpoint(const Checkpoint& ck) {
   const ModelConfig& c = ck.config();
+  KVKIT_CHECK(ck.has_float_projections(), "kvkit: checkpoint ", ck.source(),
+              " has no float projections (quantized only): cannot write it as a llama2.c file");
   const std::uint64_t total = expected_checkpoint_bytes(c);
   std::vector<unsigned char> out(static_cast<std::size_t>(total), 0);
   const std::int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,

@@ -97,6 +97,9 @@ class Model {
                   "kvkit: checkpoint ", ck_->source(), ": quantized weights do not match the config");
       qa_.resize(static_cast<std::size_t>(std::max(c.dim, c.hidden_dim) / 32));
     }
+    KVKIT_CHECK(quant_ != nullptr || ck_->has_float_projections(), "kvkit: checkpoint ", ck_->source(),
+                " has only quantized projections (loaded without float weights), so the model must run "
+                "quantized (quantized_matvec = true)");
     if (threads_ > 1) pool_ = std::make_shared<ThreadPool>(threads_);
     const int half = c.head_dim() / 2;
     rope_cos_.resize(static_cast<std::size_t>(c.seq_len) * half);
@@ -121,6 +124,8 @@ class Model {
   }
   /// Whether forward() runs the projections on quantized weights.
   bool quantized() const { return quant_ != nullptr; }
+  /// The quantized projections forward() runs on, or null (float path).
+  const QuantWeights* quant_weights() const { return quant_; }
   DecodeAttentionParams attention_params() const {
     return DecodeAttentionParams{config().n_heads,
                                  1.f / std::sqrt(static_cast<float>(config().head_dim()))};

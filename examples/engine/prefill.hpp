@@ -2,17 +2,27 @@
 // Batched prefill: the llama forward pass over T prompt tokens of ONE sequence in one pass
 // per layer, instead of T engine steps.
 //
-// Per layer the projections are matrix-matrix products over the T tokens (Eigen GEMMs,
-// columns split over the engine's threads), the T new K/V rows go into the sequence's pages
+// Per layer the projections run over the T tokens at once. When the model decodes on
+// quantized weights (Model::quantized(), the default for GGUF files) they are quant_matmul
+// calls: each token's activation is quantized to 8-bit blocks exactly as a decode step
+// does and multiplied with the same row dots (quant_matvec.hpp), one pass over the
+// weights per block of tokens, so the prompt's K/V are what token-by-token decode (and
+// llama.cpp, which also runs prompts on quantized activations) computes, and no float copy
+// of the weights is needed. Otherwise they are Eigen float GEMMs (columns split over the
+// engine's threads). The T new K/V rows go into the sequence's pages
 // with one kvkit::write_kv, and attention is causal through kvkit's paged decode kernel:
 // one view whose batch rows are the T query tokens of the same sequence, row i listing the
 // sequence's pages up to cached token start+i (rows share pages; the kernel only reads).
 // Long prompts run in chunks of `chunk` tokens, each chunk attending to the cache the
 // earlier chunks wrote. RMSNorm, RoPE and SwiGLU are Model's formulas, so the result equals
-// token-by-token teacher forcing up to float rounding (GEMM vs matrix-vector order).
+// token-by-token teacher forcing up to float rounding (the attention's summation order;
+// on the float path also GEMM vs matrix-vector order).
 //
 // Engine::prefill(id) runs it over a sequence's pending prompt (all but its last token,
 // which the next step() processes to give logits and the first generated token).
+
+// First: quant_matvec.hpp includes <immintrin.h> before Eigen (see model.hpp).
+#include "engine/quant_matvec.hpp"
 
 #include <Eigen/Dense>
 #include <algorithm>
@@ -45,6 +55,10 @@ class Prefiller {
   /// K/V tile it reads, flash-attention style) or kvkit's paged decode kernel with one
   /// view row per query token (reads the K/V once per query token: O(T^2) traffic).
   void set_tiled_attention(bool on) { tiled_ = on; }
+
+  /// Projections on the model's quantized weights when it has them (default; see the file
+  /// comment), or always on the float weights (false).
+  void set_quantized(bool on) { quantized_ = on; }
 
   /// Runs tokens[0, n) of one sequence through `model`: token i at RoPE position
   /// pos_start + i, its K/V written at cache index cache_start + i of `pages` (the
@@ -101,6 +115,18 @@ class Prefiller {
   }
 
 
+  // Quantizes the n columns of x [n, width] (token-major) into Q8 blocks, as Model's
+  // decode step quantizes each token's activation; acts_[i] describes token i.
+  void quantize_columns(const float* x /* [n, width] */, int width, std::int32_t n) {
+    const std::size_t nb = static_cast<std::size_t>(width / 32), N = static_cast<std::size_t>(n);
+    if (qa_.size() < N * nb) qa_.resize(N * nb);
+    acts_.resize(N);
+    for (std::size_t i = 0; i < N; ++i) {
+      quantize_activation(x + i * width, width, qa_.data() + i * nb);
+      acts_[i] = QActivation{x + i * width, qa_.data() + i * nb, width};
+    }
+  }
+
   Status run_chunk(Model& model, const PagedKVView<float>* pools, const std::vector<std::int32_t>& pages,
                    const std::int32_t* tokens, std::int32_t n, std::int32_t cache_start,
                    std::int32_t pos_start, float* last_logits) {
@@ -110,6 +136,9 @@ class Prefiller {
     const DecodeAttentionParams ap = model.attention_params();
     const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim;
     const std::int32_t ps = pools[0].page_size;
+    const QuantWeights* qw = quantized_ ? model.quant_weights() : nullptr;
+    KVKIT_CHECK(qw != nullptr || ck.has_float_projections(), "kvkit: prefill on float weights, but checkpoint ",
+                ck.source(), " has only quantized projections");
     const std::size_t N = static_cast<std::size_t>(n);
     x_.resize(N * dim);
     xb_.resize(N * dim);
@@ -150,10 +179,17 @@ class Prefiller {
       view.block_table = nullptr;
       view.row_stride = 0;
       view.seq_lens = nullptr;
+      const QuantLayer* ql = qw ? &qw->layers[static_cast<std::size_t>(l)] : nullptr;
       model.rmsnorm(x, ck.rms_att(l), xb);
-      gemm(ex, W(ck.wq(l), dim, dim), xb, q);
-      gemm(ex, W(ck.wk(l), kv, dim), xb, k);
-      gemm(ex, W(ck.wv(l), kv, dim), xb, v);
+      if (ql) {
+        quantize_columns(xb_.data(), dim, n);
+        const QMatvecOut o[3] = {{&ql->wq, q_.data()}, {&ql->wk, k_.data()}, {&ql->wv, v_.data()}};
+        quant_matmul(ex, o, 3, acts_.data(), n);
+      } else {
+        gemm(ex, W(ck.wq(l), dim, dim), xb, q);
+        gemm(ex, W(ck.wk(l), kv, dim), xb, k);
+        gemm(ex, W(ck.wv(l), kv, dim), xb, v);
+      }
       for (std::int32_t i = 0; i < n; ++i) {
         model.rope(q.col(i).data(), c.n_heads, pos_start + i);
         model.rope(k.col(i).data(), c.n_kv_heads, pos_start + i);
@@ -168,20 +204,43 @@ class Prefiller {
         KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q_.data(), att_.data(), ap,
                                                      Workspace{ws_.data(), ws_.size()}));
       }
-      gemm(ex, W(ck.wo(l), dim, dim), att, xb);
+      if (ql) {
+        quantize_columns(att_.data(), dim, n);
+        const QMatvecOut o{&ql->wo, xb_.data()};
+        quant_matmul(ex, &o, 1, acts_.data(), n);
+      } else {
+        gemm(ex, W(ck.wo(l), dim, dim), att, xb);
+      }
       x += xb;
       model.rmsnorm(x, ck.rms_ffn(l), xb);
-      gemm(ex, W(ck.w1(l), hid, dim), xb, h1);
-      gemm(ex, W(ck.w3(l), hid, dim), xb, h3);
+      if (ql) {
+        quantize_columns(xb_.data(), dim, n);
+        const QMatvecOut o[2] = {{&ql->w1, h1_.data()}, {&ql->w3, h3_.data()}};
+        quant_matmul(ex, o, 2, acts_.data(), n);
+      } else {
+        gemm(ex, W(ck.w1(l), hid, dim), xb, h1);
+        gemm(ex, W(ck.w3(l), hid, dim), xb, h3);
+      }
       h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
-      gemm(ex, W(ck.w2(l), dim, hid), h1, xb);
+      if (ql) {
+        quantize_columns(h1_.data(), hid, n);
+        const QMatvecOut o{&ql->w2, xb_.data()};
+        quant_matmul(ex, &o, 1, acts_.data(), n);
+      } else {
+        gemm(ex, W(ck.w2(l), dim, hid), h1, xb);
+      }
       x += xb;
     }
     if (last_logits != nullptr) {
       M xl(x_.data() + (N - 1) * dim, dim, 1), yl(xb_.data(), dim, 1);
       model.rmsnorm(xl, ck.rms_final(), yl);
-      Eigen::Map<Eigen::VectorXf> out(last_logits, c.vocab_size);
-      out.noalias() = W(ck.classifier(), c.vocab_size, dim) * yl.col(0);
+      if (qw) {
+        quantize_columns(xb_.data(), dim, 1);
+        quant_matvec(ex, qw->classifier, acts_[0], last_logits);
+      } else {
+        Eigen::Map<Eigen::VectorXf> out(last_logits, c.vocab_size);
+        out.noalias() = W(ck.classifier(), c.vocab_size, dim) * yl.col(0);
+      }
     }
     return Status::ok();
   }
@@ -265,6 +324,9 @@ class Prefiller {
   }
 
   bool tiled_ = true;
+  bool quantized_ = true;
+  std::vector<Q8Act> qa_;           // [n, width / 32] quantized activations of a chunk
+  std::vector<QActivation> acts_;   // [n] token i's activation (into the float scratch and qa_)
   std::vector<TileScratch> tiles_;
   std::int32_t chunk_;
   std::vector<float> x_, xb_, att_, q_, k_, v_, h1_, h3_;  // [n, width] each

@@ -443,6 +443,96 @@ inline void quant_matvec(exec::Host ex, const QMatvecOut* outs /* [n] */, int n,
   }
 }
 
+/// Tokens per task of quant_matmul (fixed: the split depends on the shape only).
+inline constexpr std::int32_t kTokensPerTask = 64;
+
+/// Batched form of quant_matvec for prefill: for each of `n` matrices sharing the T
+/// activations acts[0, T) (e.g. q, k, v of T prompt tokens), y_i[t * rows_i + r] =
+/// row_dot(w_i, r, acts[t]): column t of y_i is token t's product. Every output is the
+/// same row_dot decode computes for that token alone, so prefill and token-by-token decode
+/// agree bitwise on the projections. Tasks are (matrix, block of kRowsPerTask rows, block
+/// of kTokensPerTask tokens), a split fixed by the shape: the rows of a task (a few KB of
+/// quantized blocks) stay in cache while every token of its block passes over them, so the
+/// weights are streamed from memory about once per kTokensPerTask tokens instead of once
+/// per token, and outputs are bitwise identical for any thread count. Allocation-free.
+inline void quant_matmul(exec::Host ex, const QMatvecOut* outs /* [n] */, int n,
+                         const QActivation* acts /* [T] */, std::int32_t T) {
+  struct Job {
+    const QMatvecOut* outs;
+    int n;
+    const QActivation* acts;
+    std::int32_t T, tok_blocks;
+    int first[9];  // first task of each matrix, [n + 1]
+  } job{outs, n, acts, T, (T + kTokensPerTask - 1) / kTokensPerTask, {}};
+  KVKIT_CHECK(n >= 1 && n <= 8, "kvkit: quant_matmul of ", n, " matrices (1 to 8)");
+  KVKIT_CHECK(T >= 0, "kvkit: quant_matmul of ", T, " tokens");
+  if (T == 0) return;
+  for (int i = 0; i < n; ++i) {
+    for (std::int32_t t = 0; t < T; ++t)
+      KVKIT_CHECK(outs[i].w->cols == acts[t].n, "kvkit: quant_matmul: matrix of ", outs[i].w->cols,
+                  " columns times a vector of ", acts[t].n);
+    job.first[i + 1] = job.first[i] + (outs[i].w->rows + kRowsPerTask - 1) / kRowsPerTask * job.tok_blocks;
+  }
+  auto task = [](void* arg, int t) {
+    const Job& j = *static_cast<const Job*>(arg);
+    int i = 0;
+    while (t >= j.first[i + 1]) ++i;
+    const QMatrix& w = *j.outs[i].w;
+    const int local = t - j.first[i];
+    const std::int32_t r0 = (local / j.tok_blocks) * kRowsPerTask, r1 = std::min(w.rows, r0 + kRowsPerTask);
+    const std::int32_t t0 = (local % j.tok_blocks) * kTokensPerTask, t1 = std::min(j.T, t0 + kTokensPerTask);
+    float* y = j.outs[i].y;
+#if defined(KVKIT_QMV_SCALAR)
+    if (w.format != QuantFormat::kF32 && w.format != QuantFormat::kF16) {
+      // Portable path: unpacking a block's nibbles costs more than its integer dot, so each
+      // weight block is unpacked once and dotted with every token of the task. Per token
+      // the float operations are row_dot's, in its order (acc over blocks, then + extra).
+      const std::int32_t nb = w.cols / 32, nt = t1 - t0;
+      const int bb = quant_block_bytes(w.format);
+      for (std::int32_t r = r0; r < r1; ++r) {
+        float acc[kTokensPerTask] = {}, extra[kTokensPerTask] = {};
+        const unsigned char* p = w.row(r);
+        for (std::int32_t b = 0; b < nb; ++b, p += bb) {
+          std::int16_t wv[32];
+          if (w.format == QuantFormat::kQ8_0) {
+            for (int e = 0; e < 32; ++e) wv[e] = static_cast<std::int8_t>(p[2 + e]);
+          } else {
+            const unsigned char* qs = p + (w.format == QuantFormat::kQ4_0 ? 2 : 4);
+            const int off = w.format == QuantFormat::kQ4_0 ? 8 : 0;
+            for (int e = 0; e < 16; ++e) {
+              wv[e] = static_cast<std::int16_t>((qs[e] & 0x0f) - off);
+              wv[e + 16] = static_cast<std::int16_t>((qs[e] >> 4) - off);
+            }
+          }
+          const float dw = detail::f16_at(p);
+          const float mw = w.format == QuantFormat::kQ4_1 ? detail::f16_at(p + 2) : 0.f;
+          for (std::int32_t k = 0; k < nt; ++k) {
+            const Q8Act& a = j.acts[t0 + k].q[b];
+            std::int32_t dot = 0;
+            for (int e = 0; e < 32; ++e) dot += wv[e] * static_cast<std::int16_t>(a.q[e]);
+            acc[k] += static_cast<float>(dot) * (dw * a.d);
+            if (w.format == QuantFormat::kQ4_1) extra[k] += mw * a.s;
+          }
+        }
+        for (std::int32_t k = 0; k < nt; ++k)
+          y[static_cast<std::size_t>(t0 + k) * static_cast<std::size_t>(w.rows) + r] = acc[k] + extra[k];
+      }
+      return;
+    }
+#endif
+    for (std::int32_t tok = t0; tok < t1; ++tok) {
+      float* yt = y + static_cast<std::size_t>(tok) * static_cast<std::size_t>(w.rows);
+      for (std::int32_t r = r0; r < r1; ++r) yt[r] = row_dot(w, r, j.acts[tok]);
+    }
+  };
+  const int tasks = job.first[n];
+  if (ex.threads > 1 && ex.executor) {
+    ex.executor.run(ex.executor.ctx, tasks, task, &job);
+  } else {
+    for (int t = 0; t < tasks; ++t) task(&job, t);
+  }
+}
+
 /// Single-matrix convenience form of quant_matvec.
 inline void quant_matvec(exec::Host ex, const QMatrix& w, const QActivation& a, float* y /* [w.rows] */) {
   const QMatvecOut o{&w, y};
