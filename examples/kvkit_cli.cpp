@@ -86,7 +86,8 @@ const char* kFooter =
     "Exit codes: 0 ok, 1 library or I/O error (bad checkpoint, unreadable file), 2 usage error\n"
     "  (unknown option, bad value, a KV pool larger than this machine's memory). With --json\n"
     "  errors also print {\"error\": \"...\", \"code\": N} on stdout.\n"
-    "Also: kvkit r1kv --help (one R1KV compression of .npy K/Q/V), kvkit chat-demo --help\n"
+    "Also: kvkit r1kv --help (one R1KV compression of .npy K/Q/V), kvkit sweep --help (many\n"
+    "  policy x budget runs against one full-cache run), kvkit chat-demo --help\n"
     "  (multi-turn conversation caching under a page budget).";
 
 /// A command-line mistake: "kvkit: error: ..." on stderr, exit code 2.
@@ -268,9 +269,9 @@ bool parse_args(int argc, char** argv, Options& o) {
   bool help = false;
   for (const std::string& a : args) help = help || a == "--help" || a == "-h";
   if (args.empty()) throw UsageError("missing command (try kvkit --help)");
-  // r1kv and chat-demo are dispatched by main() before this parser.
+  // r1kv, sweep and chat-demo are dispatched by main() before this parser.
   static const std::vector<std::string> kCommands = {"generate", "chat", "trace", "probe",
-                                                     "store-demo", "chat-demo", "r1kv"};
+                                                     "store-demo", "chat-demo", "r1kv", "sweep"};
   if (args[0].empty() ||
       (args[0][0] != '-' &&
        std::find(kCommands.begin(), kCommands.end(), args[0]) == kCommands.end())) {
