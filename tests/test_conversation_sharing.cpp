@@ -251,7 +251,7 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
     store::BlockStore<float> bs(backend, sc);
     double now = 0;
     Params p = sharing();
-    p.idle_timeout_s = 50;
+    p.idle_timeout_s = 100;
     p.max_active = 6;
     p.page_budget = 30;
     p.spill = spill == 1;
@@ -262,11 +262,32 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
     eng.set_reclaim([&](std::int32_t n) { return cache.reclaim(n); });
     std::map<std::string, SeqId> running;
     std::vector<std::string> ids;
+    // Start with two conversations on the longest system prompt: the second shares its
+    // full pages (then the random operations take over).
+    for (const char* id : {"w0", "w1"}) {
+      const std::vector<std::int32_t> prompt = cat(systems[2], {static_cast<std::int32_t>(3 + ids.size())});
+      Resume r;
+      running[id] = start_turn(eng, cache, id, prompt, &r);
+      CHECK(r.cached_len == (ids.empty() ? 0 : 12));
+      ids.push_back(id);
+      if (ids.size() == 1) {
+        eng.prefill(running[id]);
+        finish_turn(eng, cache, id, running[id]);
+        running.erase(id);
+      }
+      check_invariants(eng, cache);
+    }
+    CHECK(cache.metrics().shared_pages == 3);
     int next_id = 0;
-    for (int op = 0; op < 400; ++op) {
+    for (int op = 0; op < 500; ++op) {
       now += static_cast<double>(rng() % 7);
       const int kind = static_cast<int>(rng() % 10);
-      const std::string pick = ids.empty() ? std::string("none") : ids[rng() % ids.size()];
+      std::string pick = ids.empty() ? std::string("none") : ids[rng() % ids.size()];
+      if ((kind == 2 || kind == 3) && !running.empty()) {  // turns get finished more often
+        auto it = running.begin();
+        std::advance(it, static_cast<std::ptrdiff_t>(rng() % running.size()));
+        pick = it->first;
+      }
       INFO("op " << op << " kind " << kind << " id " << pick);
       try {
         if (kind == 0 || ids.empty()) {  // a new conversation, often with a shared prefix
@@ -308,7 +329,7 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
           cache.evict(pick);
         } else if (kind == 7) {
           cache.reclaim(static_cast<std::int32_t>(rng() % 8));
-        } else if (kind == 8) {
+        } else if (kind == 8 && rng() % 4 == 0) {
           cache.release_unused();
         } else {
           cache.evict_idle();

@@ -655,9 +655,11 @@ class ConversationCache {
     m_.pages_freed += static_cast<std::uint64_t>(freed);
     return freed;
   }
-  // Suspend: extends c.chain over the new full pages, counts c as a holder of its indexed
-  // pages and indexes the full pages whose content is not indexed yet (a page whose twin is
-  // already indexed stays private). Then c's pages lent to the request are given back.
+  // Suspend: extends c.chain over the new full pages, counts c as a holder of every indexed
+  // page it holds (so a page of c is indexed exactly when c counts as its holder) and indexes the full pages whose content is not indexed yet. A page stays private
+  // when its twin is already indexed, or when anyone but the request and c holds it (a
+  // fork sibling's private page: indexing it would miss that holder). Then c's pages lent
+  // to the request are given back.
   void index_pages(Conv& c) {
     const std::size_t ps = static_cast<std::size_t>(ps_);
     const std::size_t full = c.tokens.size() / ps;
@@ -667,12 +669,14 @@ class ConversationCache {
       prev = block_hash(prev, c.tokens.data() + i * ps, ps);
       c.chain.push_back(prev);
     }
-    for (std::size_t i = 0; i < full; ++i) {
+    for (std::size_t i = 0; i < c.pages.size(); ++i) {
       const std::int32_t pg = c.pages[i];
       if (idx_.count(pg) != 0) {
+        // Also a partly used one (a resume cut inside an indexed page and nothing was
+        // written): c holds it like any sharer; a write into it copies it first.
         hold(pg);
         --c.n_private;
-      } else if (by_hash_.count(c.chain[i]) == 0) {
+      } else if (i < full && by_hash_.count(c.chain[i]) == 0 && host_->refcount(pg) == 2) {
         host_->retain(pg);  // the index's reference
         Entry e;
         e.hash = c.chain[i];
