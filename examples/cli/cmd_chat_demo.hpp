@@ -13,7 +13,9 @@
 // and a greedy reply. Prints per-turn prefill tokens, reuse % and wall time per way and a
 // summary; --json prints one object {no_cache, prefix_lru, conversation_cache,
 // conversation_cache_spill: {prefill_tokens, reused_tokens, reuse_fraction, evictions,
-// wall_s}, outputs_match}. reuse_fraction = reused / history tokens computed in earlier
+// wall_s, shared_pages (conversation ways)}, outputs_match}. The conversation ways share
+// full prefix pages across conversations by refcount (Params::share_prefixes; --no-share
+// turns it off). reuse_fraction = reused / history tokens computed in earlier
 // turns (what could have been reused); evictions counts conversations (blocks for
 // prefix_lru). The default page budget is 25 % of the pages of the total final history
 // (at least one conversation's pages).
@@ -79,6 +81,7 @@ struct Options {
   std::uint64_t seed = 1;
   double zipf = 1.0;
   std::string evict = "whole";  // conversation_cache under pressure: whole | trim
+  bool no_share = false;        // conversation ways without cross-conversation prefix sharing
   bool json = false;
 };
 
@@ -149,6 +152,7 @@ struct TurnRecord {
 struct WayResult {
   std::string name;
   std::int64_t prefill = 0, reused = 0, reusable = 0, evictions = 0;
+  std::int64_t shared_pages = -1;  // conversation ways: pages taken from the prefix index
   double wall_s = 0;
   std::vector<TurnRecord> turns;
   std::vector<std::vector<std::int32_t>> outputs;  // generated tokens of each turn
@@ -192,6 +196,7 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   if (way == Way::kConversation || way == Way::kConversationSpill) {
     conversation::Params p;
     p.trim_under_pressure = o.evict == "trim";
+    p.share_prefixes = !o.no_share;
     if (way == Way::kConversationSpill) {
       store::BlockStoreConfig sc;
       sc.ns = ns;
@@ -278,6 +283,7 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   res.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_all).count();
   for (const auto& h : hist) res.total_pages += pages_for(static_cast<std::int64_t>(h.size()), o.page_size);
   if (cache) res.evictions = static_cast<std::int64_t>(cache->metrics().evictions);
+  if (cache) res.shared_pages = static_cast<std::int64_t>(cache->metrics().shared_pages);
   if (plru) res.evictions = static_cast<std::int64_t>(plru->evicted_blocks());
   return res;
 }
@@ -391,12 +397,14 @@ inline int run(const Options& o) {
   }
   if (o.json) {
     Json j;
-    for (const WayResult& r : results)
+    for (const WayResult& r : results) {
       j[r.name] = {{"prefill_tokens", r.prefill},
                    {"reused_tokens", r.reused},
                    {"reuse_fraction", r.reuse_fraction()},
                    {"evictions", r.evictions},
                    {"wall_s", r.wall_s}};
+      if (r.shared_pages >= 0) j[r.name]["shared_pages"] = r.shared_pages;
+    }
     j["outputs_match"] = match;
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -404,7 +412,8 @@ inline int run(const Options& o) {
   std::cout << "kvkit chat-demo: " << model_name << ", " << o.conversations << " conversations x " << o.turns
             << " turns (Zipf s=" << o.zipf << ", seed " << o.seed << "), replies <= " << wl.reply
             << " tokens, page size " << o.page_size << ", page budget " << budget << " pages (total history "
-            << base.total_pages << " pages), store " << o.store << ", eviction " << o.evict << "\n";
+            << base.total_pages << " pages), store " << o.store << ", eviction " << o.evict
+            << (o.no_share ? ", no prefix sharing" : ", prefix sharing") << "\n";
   std::cout << "  #  conv turn prompt |";
   for (const WayResult& r : results) std::cout << " " << std::setw(24) << r.name << " |";
   std::cout << "\n" << std::string(24, ' ') << "|";
@@ -425,8 +434,9 @@ inline int run(const Options& o) {
   std::cout << std::setprecision(3);
   for (const WayResult& r : results)
     std::cout << r.name << ": prefill " << r.prefill << " tokens, reused " << r.reused << " of " << r.reusable
-              << " (" << 100.0 * r.reuse_fraction() << " %), evictions " << r.evictions << ", wall "
-              << r.wall_s << " s\n";
+              << " (" << 100.0 * r.reuse_fraction() << " %), evictions " << r.evictions
+              << (r.shared_pages >= 0 ? ", shared pages " + std::to_string(r.shared_pages) : std::string())
+              << ", wall " << r.wall_s << " s\n";
   std::cout << "outputs_match: " << (match ? "true" : "false") << "\n";
   return 0;
 }
@@ -463,6 +473,8 @@ inline int run_chat_demo(int argc, char** argv) {
   app.add_option("--threads", o.threads, "engine threads (default 1)")->type_name("T")->check(CLI::Range(1, 64));
   app.add_option("--evict", o.evict, "conversation_cache under allocator pressure: whole (evict LRU conversations whole, default) or trim (drop their pages tail first)")
       ->type_name("MODE")->check(CLI::IsMember({"whole", "trim"}));
+  app.add_flag("--no-share", o.no_share,
+               "conversation ways without cross-conversation prefix sharing (each conversation keeps its pages privately)");
   app.add_flag("--json", o.json, "print one JSON object");
   try {
     app.parse(argc, argv);

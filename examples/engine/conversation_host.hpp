@@ -76,14 +76,15 @@ class AllocatorPageHost final : public conversation::PageHost<float> {
 
 /// Adds the request of conversation `id`'s next turn, whose full prompt is `prompt`
 /// (history + new tokens): creates the conversation when the cache does not know it (and
-/// it was not ended), else resumes it with its cached pages. On failure (a bad prompt) the
+/// it was not ended; with Params::share_prefixes its prompt's full pages found in the
+/// cache's prefix index are handed over), else resumes it with its cached pages. On failure (a bad prompt) the
 /// handed pages are released and the turn aborted, then the error propagates.
 inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cache,
                         const std::string& id, const std::vector<std::int32_t>& prompt,
                         conversation::Resume* info = nullptr) {
   conversation::Resume r;
   if (!cache.contains(id) && !cache.ended(id)) {
-    cache.create(id);
+    r = cache.create(id, prompt);
   } else {
     r = cache.resume(id, prompt);
   }

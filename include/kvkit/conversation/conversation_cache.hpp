@@ -37,6 +37,22 @@
 // Params::fork_copies_partial_page for a host without copy-on-write: the partial page is
 // copied at fork time through PageHost::copy_page).
 //
+// Cross-conversation prefix sharing (Params::share_prefixes): every full page a suspended
+// conversation holds is indexed by the chained BlockHash of the tokens up to its end (the
+// same name prefix caching and the BlockStore use), and the index holds one reference of
+// its own on each indexed page. create(id, prompt) and the resume of an evicted
+// conversation take the longest run of indexed pages matching the prompt's full pages
+// from the start (a page is shared only when the whole chain up to it matches, so its K/V
+// is exactly what recomputing would write: same tokens at the same positions), retained
+// by refcount instead of recomputed; a ChatML system prompt is then held once however many
+// conversations start with it. Eviction of a conversation drops its own references; its
+// indexed pages that no other conversation holds join an "unused" queue (tail pages
+// first) and are released to the host only when room is needed (reclaim, page_budget),
+// as a block-level prefix cache keeps freed blocks until reuse, so a conversation evicted
+// whole can still find its prefix when it returns. page_budget then counts distinct pages:
+// one per indexed page plus one per holder of a page outside the index (the partial last
+// page). reclaim prefers, in LRU order, a conversation whose eviction releases pages.
+//
 // The cache talks to the engine only through PageHost (allocate, retain, release,
 // refcount, copy, per-layer pool views for the store), so it depends on no engine. The
 // clock is injectable (seconds, monotonic). Not thread-safe: one per engine thread.
@@ -117,6 +133,8 @@ struct Params {
   bool trim_under_pressure = false;  // reclaim(n) drops the LRU conversation's pages from its
                                      // tail, as many as needed (its prefix stays cached),
                                      // instead of evicting it whole; ignored with spill
+  bool share_prefixes = false;  // index full pages by chained token hash and share them by
+                                // refcount across conversations (see the file comment)
 };
 
 /// Cumulative counters (for reports and the chat demo's JSON).
@@ -138,6 +156,10 @@ struct Metrics {
   std::uint64_t restored_blocks = 0;
   std::uint64_t restore_misses = 0;      // resumes of a spilled conversation that loaded less than asked
   std::uint64_t forks = 0;
+  std::uint64_t shared_pages = 0;        // pages create() / resume() of an evicted or spilled
+                                         // conversation took from the prefix index
+  std::uint64_t shared_tokens = 0;       // tokens those pages cover
+  std::uint64_t unused_pages_freed = 0;  // unused indexed pages released to the host
   double hit_rate() const { return resumes == 0 ? 0.0 : static_cast<double>(hits) / resumes; }
   /// Prompt tokens that needed no prefill thanks to the cache (memory + store).
   std::uint64_t prefill_tokens_avoided() const { return tokens_reused + tokens_restored; }
@@ -184,7 +206,9 @@ class ConversationCache {
   ConversationCache& operator=(const ConversationCache&) = delete;
   /// Releases every page the cache still holds.
   ~ConversationCache() {
-    for (auto& kv : convs_) drop_pages(kv.second);
+    for (auto& kv : convs_)
+      for (std::int32_t pg : kv.second.pages) host_->release(pg);
+    for (auto& kv : idx_) host_->release(kv.first);
   }
 
   const Params& params() const { return p_; }
@@ -204,6 +228,40 @@ class ConversationCache {
     convs_.emplace(id, std::move(c));
     ++running_;
     enforce_limits(nullptr);
+  }
+
+  /// create(id) for a first turn whose prompt is `prompt[0, n)`: with share_prefixes, the
+  /// longest run of indexed pages matching the prompt's full pages (all but its last token)
+  /// is handed to the request like resume() does (Resume::pages, cached_len); without it,
+  /// or when nothing matches, the Resume is empty. Throws as create(id) does.
+  Resume create(const std::string& id, const std::int32_t* prompt,  // [n]
+                std::size_t n) {
+    KVKIT_CHECK(n > 0 && prompt != nullptr, "kvkit: create of conversation '", id,
+                "' with an empty prompt");
+    create(id);
+    Resume r;
+    if (!p_.share_prefixes) return r;
+    // The prompt's full pages, all but its last token (it must be fed to give logits).
+    Conv& c = convs_.at(id);
+    const std::size_t ps = static_cast<std::size_t>(ps_);
+    BlockHash prev = BlockHash::root();
+    for (std::size_t start = 0; start + ps <= n - 1; start += ps) {
+      prev = block_hash(prev, prompt + start, ps);
+      auto it = by_hash_.find(prev);
+      if (it == by_hash_.end()) break;
+      host_->retain(it->second);  // the request's reference
+      hold(it->second);
+      r.pages.push_back(it->second);
+      c.chain.push_back(prev);
+    }
+    lend(c, r.pages);
+    r.cached_len = static_cast<std::int32_t>(r.pages.size()) * ps_;
+    m_.shared_pages += r.pages.size();
+    m_.shared_tokens += static_cast<std::uint64_t>(r.cached_len);
+    return r;
+  }
+  Resume create(const std::string& id, const std::vector<std::int32_t>& prompt) {
+    return create(id, prompt.data(), prompt.size());
   }
 
   /// Hands the cached pages of `id` to its next turn, whose full prompt (history + new
@@ -253,9 +311,11 @@ class ConversationCache {
       KVKIT_CHECK(pages[i] >= 0 && host_->refcount(pages[i]) > 0, "kvkit: suspend of conversation '",
                   id, "': page ", pages[i], " is not allocated");
     for (std::size_t i = 0; i < npages; ++i) host_->retain(pages[i]);
-    held_refs_ += static_cast<std::int64_t>(npages);
     c.pages.assign(pages, pages + npages);
     c.tokens.assign(tokens, tokens + n);
+    c.n_private = static_cast<std::int32_t>(npages);
+    if (p_.share_prefixes) index_pages(c);
+    private_refs_ += c.n_private;
     c.state = State::kSuspended;
     c.last = clock_();
     --running_;
@@ -275,6 +335,8 @@ class ConversationCache {
     Conv& c = live(id, "abort_turn");
     KVKIT_CHECK(c.state == State::kRunning, "kvkit: abort_turn of conversation '", id, "' which is ",
                 to_string(c.state), ", not running");
+    unlend(c, false);
+    c.chain.clear();
     c.state = State::kEvicted;
     --running_;
   }
@@ -284,7 +346,8 @@ class ConversationCache {
     Conv& c = live(id, "end");
     if (c.state == State::kRunning) --running_;
     lru_remove(c);
-    drop_pages(c);
+    unlend(c, true);
+    drop_pages(c, true);
     convs_.erase(id);
     ended_.insert(id);
   }
@@ -311,6 +374,8 @@ class ConversationCache {
     d.state = State::kSuspended;
     d.tokens = s.tokens;
     d.pages = s.pages;
+    d.chain = s.chain;
+    d.n_private = s.n_private;  // a copied partial page replaces a private one
     d.turn = s.turn;
     d.last = clock_();
     for (std::size_t i = 0; i < d.pages.size(); ++i) {
@@ -318,9 +383,10 @@ class ConversationCache {
         d.pages[i] = fresh;
       } else {
         host_->retain(d.pages[i]);
+        hold(d.pages[i]);
       }
     }
-    held_refs_ += static_cast<std::int64_t>(d.pages.size());
+    private_refs_ += d.n_private;
     s.last = d.last;
     lru_remove(s);
     lru_push(src, s);
@@ -331,28 +397,43 @@ class ConversationCache {
     enforce_limits(&it->second);
   }
 
-  /// Allocator pressure: evicts suspended conversations, least recently active first,
-  /// until `n_pages` pages were freed or none is left (Params::trim_under_pressure: drops
-  /// their pages tail first instead, keeping prefixes). Returns the pages freed.
+  /// Allocator pressure: releases unused indexed pages (share_prefixes), then evicts
+  /// suspended conversations, least recently active first (preferring, with
+  /// share_prefixes, one whose eviction releases a page), until `n_pages` pages were freed
+  /// or none is left (Params::trim_under_pressure: drops their pages tail first instead,
+  /// keeping prefixes). Returns the pages freed.
   std::int32_t reclaim(std::int32_t n_pages) {
     std::int32_t freed = 0;
-    while (freed < n_pages && !lru_.empty()) {
+    while (freed < n_pages) {
+      if (!unused_.empty()) {
+        freed += drop_entry(unused_.front());
+        continue;
+      }
+      if (lru_.empty()) break;
       if (!p_.trim_under_pressure || p_.spill) {
-        freed += evict_conv(lru_.front(), EvictReason::kPressure);
+        freed += evict_conv(victim(), EvictReason::kPressure);
         continue;
       }
       // Tail first: the remaining prefix ends on a full page, still valid to resume from.
       Conv& c = convs_.at(lru_.front());
       while (freed < n_pages && !c.pages.empty()) {
-        const std::int32_t f = release_page(c.pages.back());
-        c.pages.pop_back();
+        const std::int32_t f = release_back(c, true);
         c.tokens.resize(std::min(c.tokens.size(), c.pages.size() * static_cast<std::size_t>(ps_)));
+        c.chain.resize(std::min(c.chain.size(), c.tokens.size() / static_cast<std::size_t>(ps_)));
         freed += f;
         ++m_.pages_trimmed;
         m_.pages_freed += static_cast<std::uint64_t>(f);
       }
       if (c.pages.empty()) evict_conv(lru_.front(), EvictReason::kPressure);
     }
+    return freed;
+  }
+
+  /// Releases every unused indexed page (share_prefixes: pages no conversation holds, kept
+  /// for reuse until room is needed). Returns the pages freed.
+  std::int32_t release_unused() {
+    std::int32_t freed = 0;
+    while (!unused_.empty()) freed += drop_entry(unused_.front());
     return freed;
   }
 
@@ -383,7 +464,9 @@ class ConversationCache {
   State state(const std::string& id) const { return clive(id).state; }
   std::int32_t turn(const std::string& id) const { return clive(id).turn; }
   double last_activity(const std::string& id) const { return clive(id).last; }
-  /// Token ids whose K/V the cache holds (suspended) or saved (spilled).
+  /// Token ids whose K/V the cache holds (suspended) or saved (spilled); with
+  /// share_prefixes also those of an evicted conversation (its resume looks their full
+  /// pages up in the prefix index).
   const std::vector<std::int32_t>& tokens(const std::string& id) const { return clive(id).tokens; }
   /// Pages the cache holds for `id` (empty unless suspended).
   const std::vector<std::int32_t>& pages(const std::string& id) const { return clive(id).pages; }
@@ -391,14 +474,27 @@ class ConversationCache {
   std::int32_t active() const { return running_ + static_cast<std::int32_t>(lru_.size()); }
   std::int32_t suspended() const { return static_cast<std::int32_t>(lru_.size()); }
   std::int32_t size() const { return static_cast<std::int32_t>(convs_.size()); }
-  /// Page references the cache holds (what page_budget limits).
-  std::int64_t held_references() const { return held_refs_; }
-  /// References the cache holds on each page (for allocator invariant checks; O(held)).
+  /// What page_budget limits: one per indexed page plus one per conversation reference to
+  /// a page outside the index (without share_prefixes: every page reference the cache holds).
+  std::int64_t held_references() const { return private_refs_ + static_cast<std::int64_t>(idx_.size()); }
+  /// References the cache holds on each page: one per suspended holder, plus the index's
+  /// own (for allocator invariant checks; O(held)).
   std::unordered_map<std::int32_t, std::int32_t> references() const {
     std::unordered_map<std::int32_t, std::int32_t> r;
     for (const auto& kv : convs_)
       for (std::int32_t pg : kv.second.pages) ++r[pg];
+    for (const auto& kv : idx_) ++r[kv.first];
     return r;
+  }
+  /// Pages in the prefix index (share_prefixes), and of them those no conversation holds
+  /// (released first under pressure).
+  std::int32_t indexed_pages() const { return static_cast<std::int32_t>(idx_.size()); }
+  std::int32_t unused_pages() const { return static_cast<std::int32_t>(unused_.size()); }
+  /// Conversations (suspended, or running with pages from the cache) holding indexed page
+  /// `page`; 0 when it is not indexed.
+  std::int32_t sharers(std::int32_t page) const {
+    auto it = idx_.find(page);
+    return it == idx_.end() ? 0 : it->second.holders;
   }
   /// Distinct pages the cache holds a reference to (O(held)).
   std::int32_t held_pages() const { return static_cast<std::int32_t>(references().size()); }
@@ -409,12 +505,25 @@ class ConversationCache {
   struct Conv {
     State state = State::kRunning;
     std::vector<std::int32_t> pages;   // cache references (suspended only)
-    std::vector<std::int32_t> tokens;  // computed tokens (suspended) / saved tokens (spilled)
+    std::vector<std::int32_t> tokens;  // computed tokens (suspended) / saved tokens (spilled) /
+                                       // last computed tokens (evicted, share_prefixes)
     std::vector<BlockHash> hashes;     // spilled: one per saved block
+    std::vector<BlockHash> chain;      // share_prefixes: chained hash of each full page of
+                                       // `tokens` (running: of the pages the request took)
+    std::vector<std::int32_t> lent;    // share_prefixes, running: indexed pages the request took
+                                       // from the cache (they count this conversation as holder)
+    std::int32_t n_private = 0;        // pages of `pages` outside the index
     std::int32_t turn = 0;
     double last = 0.0;
     bool in_lru = false;
     std::list<std::string>::iterator lru_it;
+  };
+  // An indexed page: the index holds one reference; `holders` conversations use it.
+  struct Entry {
+    BlockHash hash;
+    std::int32_t holders = 0;
+    bool queued = false;  // in unused_ (holders == 0)
+    std::list<std::int32_t>::iterator it;
   };
 
   Conv& check_resume(const std::string& id, std::size_t n) {
@@ -425,25 +534,52 @@ class ConversationCache {
     return c;
   }
 
-  // The cached tokens [0, common) match the prompt of n tokens: restore (spilled), keep
-  // their pages, release the rest, hand the kept references to the request.
+  // The cached tokens [0, common) match the prompt of n tokens: keep their pages (suspended)
+  // or find them in the index / restore them (evicted, spilled), release the rest, hand the
+  // kept references to the request.
   Resume finish_resume(Conv& c, std::size_t common, std::size_t n) {
     // Idle conversations go first, this one excepted (it is about to be used).
     lru_remove(c);
     evict_idle();
     Resume r;
-    if (c.state == State::kSpilled) common = restore(c, common, &r);
-    if (c.state == State::kEvicted) common = 0;
-    // Keep ceil(common / ps) pages; release the rest (divergence or the n - 1 cap).
-    const std::size_t keep = (common + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+    const std::size_t ps = static_cast<std::size_t>(ps_);
+    std::size_t shared = 0;  // tokens on pages taken from the index
     m_.tokens_released += c.tokens.size() - std::min(c.tokens.size(), common);
-    while (c.pages.size() > keep) {
-      release_page(c.pages.back());
-      c.pages.pop_back();
+    if (c.state == State::kSuspended) {
+      // Keep ceil(common / ps) pages; release the rest (divergence or the n - 1 cap).
+      const std::size_t keep = (common + ps - 1) / ps;
+      while (c.pages.size() > keep) release_back(c, false);
+      private_refs_ -= c.n_private;  // references move to the request
+      c.n_private = 0;
+      r.pages = std::move(c.pages);
+      c.pages.clear();
+    } else {
+      std::vector<std::int32_t> got;
+      if (p_.share_prefixes) {
+        for (std::size_t i = 0; i < c.chain.size() && i * ps < common; ++i) {
+          auto it = by_hash_.find(c.chain[i]);
+          if (it == by_hash_.end()) break;
+          host_->retain(it->second);  // the request's reference
+          hold(it->second);
+          got.push_back(it->second);
+        }
+        shared = std::min(common, got.size() * ps);
+        m_.shared_pages += got.size();
+        m_.shared_tokens += shared;
+      }
+      if (c.state == State::kSpilled && shared < common) {
+        common = restore(c, common, &got, &r);
+      } else {
+        common = shared;
+      }
+      r.pages = std::move(got);
     }
-    held_refs_ -= static_cast<std::int64_t>(c.pages.size());  // references move to the request
-    r.pages = std::move(c.pages);
-    c.pages.clear();
+    if (p_.share_prefixes) {
+      lend(c, r.pages);
+      c.chain.resize(std::min(c.chain.size(), common / ps));
+    } else {
+      c.chain.clear();
+    }
     c.tokens.clear();
     c.hashes.clear();
     r.cached_len = static_cast<std::int32_t>(common);
@@ -483,15 +619,129 @@ class ConversationCache {
     c.in_lru = false;
   }
 
-  // Drops the cache's reference; returns 1 when that freed the page.
-  std::int32_t release_page(std::int32_t page) {
-    --held_refs_;
-    return host_->release(page) == 0 ? 1 : 0;
+  // ---- prefix index (share_prefixes) ----
+  // One more conversation uses `page` (no-op when it is not indexed).
+  void hold(std::int32_t page) {
+    auto it = idx_.find(page);
+    if (it == idx_.end()) return;
+    Entry& e = it->second;
+    if (e.queued) {
+      unused_.erase(e.it);
+      e.queued = false;
+    }
+    ++e.holders;
   }
-  std::int32_t drop_pages(Conv& c) {
+  // One conversation fewer uses `page`; an unused page is released now (`drop`) or queued
+  // for release under pressure. Returns 1 when that freed the page.
+  std::int32_t unhold(std::int32_t page, bool drop) {
+    auto it = idx_.find(page);
+    if (it == idx_.end()) return 0;
+    Entry& e = it->second;
+    if (--e.holders > 0) return 0;
+    if (drop) return drop_entry(page);
+    unused_.push_back(page);
+    e.it = std::prev(unused_.end());
+    e.queued = true;
+    return 0;
+  }
+  // Removes `page` from the index and drops the index's reference; 1 when that freed it.
+  std::int32_t drop_entry(std::int32_t page) {
+    auto it = idx_.find(page);
+    if (it->second.queued) unused_.erase(it->second.it);
+    by_hash_.erase(it->second.hash);
+    idx_.erase(it);
+    const std::int32_t freed = host_->release(page) == 0 ? 1 : 0;
+    m_.unused_pages_freed += static_cast<std::uint64_t>(freed);
+    m_.pages_freed += static_cast<std::uint64_t>(freed);
+    return freed;
+  }
+  // Suspend: extends c.chain over the new full pages, counts c as a holder of every indexed
+  // page it holds (so a page of c is indexed exactly when c counts as its holder) and indexes the full pages whose content is not indexed yet. A page stays private
+  // when its twin is already indexed, or when anyone but the request and c holds it (a
+  // fork sibling's private page: indexing it would miss that holder). Then c's pages lent
+  // to the request are given back.
+  void index_pages(Conv& c) {
+    const std::size_t ps = static_cast<std::size_t>(ps_);
+    const std::size_t full = c.tokens.size() / ps;
+    if (c.chain.size() > full) c.chain.resize(full);
+    BlockHash prev = c.chain.empty() ? BlockHash::root() : c.chain.back();
+    for (std::size_t i = c.chain.size(); i < full; ++i) {
+      prev = block_hash(prev, c.tokens.data() + i * ps, ps);
+      c.chain.push_back(prev);
+    }
+    for (std::size_t i = 0; i < c.pages.size(); ++i) {
+      const std::int32_t pg = c.pages[i];
+      if (idx_.count(pg) != 0) {
+        // Also a partly used one (a resume cut inside an indexed page and nothing was
+        // written): c holds it like any sharer; a write into it copies it first.
+        hold(pg);
+        --c.n_private;
+      } else if (i < full && by_hash_.count(c.chain[i]) == 0 && host_->refcount(pg) == 2) {
+        host_->retain(pg);  // the index's reference
+        Entry e;
+        e.hash = c.chain[i];
+        e.holders = 1;
+        idx_.emplace(pg, e);
+        by_hash_.emplace(c.chain[i], pg);
+        --c.n_private;
+      }
+    }
+    unlend(c, false);
+  }
+  // The request of conversation c takes `pages`: it stays a holder of those indexed now
+  // (only those: a page indexed later, at suspend, counts its holders from then on).
+  void lend(Conv& c, const std::vector<std::int32_t>& pages) {
+    c.lent.clear();
+    for (std::int32_t pg : pages)
+      if (idx_.count(pg) != 0) c.lent.push_back(pg);
+  }
+  // The request of running conversation c no longer counts as a holder of its lent pages
+  // (tail first, so a queued tail goes before its prefix).
+  void unlend(Conv& c, bool drop) {
+    for (auto it = c.lent.rbegin(); it != c.lent.rend(); ++it) unhold(*it, drop);
+    c.lent.clear();
+  }
+  // Pressure victim: the least recent suspended conversation whose eviction releases a
+  // page (one it alone holds), else the least recent.
+  std::string victim() const {
+    if (p_.share_prefixes) {
+      for (const std::string& id : lru_) {
+        const Conv& c = convs_.at(id);
+        for (std::int32_t pg : c.pages) {
+          auto it = idx_.find(pg);
+          if (it == idx_.end() ? host_->refcount(pg) == 1 : it->second.holders == 1) return id;
+        }
+      }
+    }
+    return lru_.front();
+  }
+  // Frees one page's worth of room: an unused indexed page, else the pressure victim.
+  bool make_room() {
+    if (!unused_.empty()) {
+      drop_entry(unused_.front());
+      return true;
+    }
+    if (lru_.empty()) return false;
+    evict_conv(victim(), EvictReason::kPressure);
+    return true;
+  }
+
+  // Drops c's reference on its last page (an indexed page nobody else holds: released now
+  // with `drop`, else queued); returns 1 when that freed the page.
+  std::int32_t release_back(Conv& c, bool drop) {
+    const std::int32_t pg = c.pages.back();
+    c.pages.pop_back();
+    if (idx_.count(pg) != 0) {
+      host_->release(pg);  // the index still holds it
+      return unhold(pg, drop);
+    }
+    --private_refs_;
+    --c.n_private;
+    return host_->release(pg) == 0 ? 1 : 0;
+  }
+  std::int32_t drop_pages(Conv& c, bool drop) {
     std::int32_t freed = 0;
-    for (std::int32_t pg : c.pages) freed += release_page(pg);
-    c.pages.clear();
+    while (!c.pages.empty()) freed += release_back(c, drop);
     return freed;
   }
 
@@ -499,9 +749,15 @@ class ConversationCache {
     while (p_.max_active > 0 && active() > p_.max_active && !lru_.empty() &&
            &convs_.at(lru_.front()) != keep)
       evict_conv(lru_.front(), EvictReason::kMaxActive);
-    while (p_.page_budget > 0 && held_refs_ > p_.page_budget && !lru_.empty() &&
-           &convs_.at(lru_.front()) != keep)
-      evict_conv(lru_.front(), EvictReason::kPageBudget);
+    while (p_.page_budget > 0 && held_references() > p_.page_budget) {
+      if (!unused_.empty()) {
+        drop_entry(unused_.front());
+      } else if (!lru_.empty() && &convs_.at(lru_.front()) != keep) {
+        evict_conv(lru_.front(), EvictReason::kPageBudget);
+      } else {
+        break;
+      }
+    }
   }
 
   // Evicts a suspended conversation (copied id: the LRU node goes away). Returns pages freed.
@@ -510,8 +766,11 @@ class ConversationCache {
     lru_remove(c);
     c.state = State::kEvicted;
     if (p_.spill) spill(c);
-    if (c.state == State::kEvicted) c.tokens.clear();
-    const std::int32_t freed = drop_pages(c);
+    if (c.state == State::kEvicted && !p_.share_prefixes) c.tokens.clear();
+    c.chain.resize(std::min(c.chain.size(), c.tokens.size() / static_cast<std::size_t>(ps_)));
+    // Pressure, budget and max_active keep the unused indexed pages queued for reuse until
+    // room is needed; a timeout or an explicit evict() releases them now.
+    const std::int32_t freed = drop_pages(c, why == EvictReason::kTimeout || why == EvictReason::kManual);
     ++m_.evictions;
     ++m_.evictions_by[static_cast<int>(why)];
     m_.pages_freed += static_cast<std::uint64_t>(freed);
@@ -547,38 +806,37 @@ class ConversationCache {
     m_.spilled_blocks += saved;
   }
 
-  // Loads the blocks covering the first `common` tokens into fresh pages (evicting other
-  // suspended conversations when none is free); returns the tokens now cached.
-  std::size_t restore(Conv& c, std::size_t common, Resume* r) {
-    const std::size_t want = (common + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+  // Loads the blocks covering the first `common` tokens after the pages already in `pages`
+  // (taken from the index) into fresh pages (making room when none is free) and appends
+  // them; returns the tokens now cached.
+  std::size_t restore(Conv& c, std::size_t common, std::vector<std::int32_t>* pages, Resume* r) {
+    const std::size_t ps = static_cast<std::size_t>(ps_);
+    const std::size_t want = std::min((common + ps - 1) / ps, c.hashes.size());
+    const std::size_t first = pages->size();
+    const std::size_t have = std::min(common, first * ps);
     const PagedKVView<T>* views = host_->pool_views();
     c.state = State::kEvicted;  // whatever fails below leaves a plain miss
-    if (want == 0 || views == nullptr) return 0;
-    std::vector<std::int32_t> pages;
-    while (pages.size() < want) {
+    if (want <= first || views == nullptr) return have;
+    std::vector<std::int32_t> fresh;
+    while (first + fresh.size() < want) {
       std::int32_t pg = host_->try_allocate();
-      while (pg < 0 && !lru_.empty()) {
-        evict_conv(lru_.front(), EvictReason::kPressure);
-        pg = host_->try_allocate();
-      }
+      while (pg < 0 && make_room()) pg = host_->try_allocate();
       if (pg < 0) break;
-      pages.push_back(pg);
+      fresh.push_back(pg);
     }
-    const store::LoadResult lr = store_->load(c.hashes.data(), pages.data(), pages.size(), views);
+    const store::LoadResult lr = store_->load(c.hashes.data() + first, fresh.data(), fresh.size(), views);
     const std::size_t loaded = lr.blocks_loaded;
-    while (pages.size() > loaded) {  // fresh pages, ours alone: these release to free
-      host_->release(pages.back());
-      pages.pop_back();
+    while (fresh.size() > loaded) {  // fresh pages, ours alone: these release to free
+      host_->release(fresh.back());
+      fresh.pop_back();
     }
-    if (loaded < want) ++m_.restore_misses;
-    if (loaded == 0) return 0;
+    if (first + loaded < want) ++m_.restore_misses;
+    if (loaded == 0) return have;
     ++m_.restores;
     m_.restored_blocks += loaded;
-    held_refs_ += static_cast<std::int64_t>(pages.size());  // resume() moves them on to the request
-    c.pages = std::move(pages);
-    c.state = State::kSuspended;
-    const std::size_t got = std::min(common, loaded * static_cast<std::size_t>(ps_));
-    r->restored_tokens = static_cast<std::int32_t>(got);
+    pages->insert(pages->end(), fresh.begin(), fresh.end());
+    const std::size_t got = std::min(common, pages->size() * ps);
+    r->restored_tokens = static_cast<std::int32_t>(got - have);
     return got;
   }
 
@@ -590,8 +848,11 @@ class ConversationCache {
   std::unordered_map<std::string, Conv> convs_;
   std::unordered_set<std::string> ended_;
   std::list<std::string> lru_;  // suspended ids, least recently active first
-  std::int64_t held_refs_ = 0;  // page references held (suspended conversations' pages)
+  std::int64_t private_refs_ = 0;  // references of suspended conversations on pages outside the index
   std::int32_t running_ = 0;
+  std::unordered_map<std::int32_t, Entry> idx_;         // indexed page -> entry
+  std::unordered_map<BlockHash, std::int32_t> by_hash_;  // chained hash -> indexed page
+  std::list<std::int32_t> unused_;  // indexed pages no conversation holds, front = released first
   Metrics m_;
 };
 
