@@ -44,7 +44,7 @@ namespace cpu {
 inline namespace KVKIT_SIMD_NS {
 
 /// Tokens scored per softmax rescale (a multiple of every Vec width).
-inline constexpr std::int32_t kDecodeTile = 32;
+inline constexpr std::int32_t kDecodeTile = 64;
 /// Batches with fewer (sequence, kv head) pairs than this cut sequences into chunks.
 inline constexpr std::int32_t kSplitTargetItems = 16;
 /// At most this many chunks per (sequence, kv head).
@@ -195,6 +195,17 @@ inline void prefetch_rows(const T* const* rows, std::int32_t n, std::int32_t j, 
   (void)bytes;
 #endif
 }
+/// Rows of the following tile to prefetch while this one is processed: K rows during the
+/// score pass, V rows during the V pass, a few per step so that memory requests stay
+/// spread over the compute instead of arriving in bursts (rows of another page are where
+/// the hardware prefetchers cannot follow). n == 0: nothing.
+template <class T>
+struct Upcoming {
+  const T* const* rows = nullptr;  // [n]
+  std::int32_t n = 0;
+  std::size_t bytes = 0;  // per row
+};
+
 /// sc[g * kDecodeTile + j0 + t] = q_g · k_t for NG queries (rows of q, stride kdim) and
 /// NT tokens: the queries' vectors are loaded once per chunk of dims for all NT tokens.
 template <int NG, int NT, class T>
@@ -231,52 +242,149 @@ inline void score_block(const float* q,  // [NG, kdim]
   }
 }
 
-/// acc_g += sum_t p[g, j0 + t] * v_t for NG accumulator rows and NT V rows: each chunk of
-/// an accumulator row is loaded and stored once for all NT tokens.
-template <int NG, int NT, class T>
-inline void accum_block(float* acc,            // [NG, vdim]
-                        const float* pr,       // [NG, kDecodeTile] probabilities
-                        std::int32_t j0, const T* const* rows,  // [NT] V rows of vdim elements
-                        std::int32_t vdim) {
-  constexpr int W = Vec::kLanes;
-  Vec w[NG][NT];
-  for (int g = 0; g < NG; ++g)
-    for (int t = 0; t < NT; ++t) w[g][t] = Vec::set1(pr[g * kDecodeTile + j0 + t]);
-  std::int32_t d = 0;
-  for (; d + W <= vdim; d += W) {
-    Vec vv[NT];
-    for (int t = 0; t < NT; ++t) vv[t] = Vec::load(rows[t] + d);
-    for (int g = 0; g < NG; ++g) {
-      float* a = acc + static_cast<std::size_t>(g) * vdim + d;
-      Vec x = Vec::load(a);
-      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
-      x.store(a);
-    }
-  }
-  if (d < vdim) {
-    const int rest = vdim - d;
-    Vec vv[NT];
-    for (int t = 0; t < NT; ++t) vv[t] = load_partial(rows[t] + d, rest);
-    for (int g = 0; g < NG; ++g) {
-      float* a = acc + static_cast<std::size_t>(g) * vdim + d;
-      Vec x = load_partial(a, rest);
-      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
-      store_partial(x, a, rest);
-    }
-  }
+#if defined(KVKIT_SIMD_AVX512)
+/// One step of reduce16: the halves (at 256-, 128- or 64-bit granularity, selected by
+/// Step) of a and b added pairwise, a's partial sums in the lower part of each pair.
+template <int Step>
+KVKIT_SIMD_INLINE __m512 reduce_step(__m512 a, __m512 b) {
+  if constexpr (Step == 0)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  else if constexpr (Step == 1)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  else if constexpr (Step == 2)
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
+  else
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
 }
 
-/// score_block over all n tokens of a tile for NG queries.
-/// Rows of the following tile to prefetch while this one is processed: K rows during the
-/// score pass, V rows during the V pass, a few per step so that memory requests stay
-/// spread over the compute instead of arriving in bursts (rows of another page are where
-/// the hardware prefetchers cannot follow). n == 0: nothing.
-template <class T>
-struct Upcoming {
-  const T* const* rows = nullptr;  // [n]
-  std::int32_t n = 0;
-  std::size_t bytes = 0;  // per row
-};
+/// Lane sums of 16 vectors in one vector (lane i = sum of x[i]'s lanes, in a fixed
+/// order): a tree of 256/128/64/32-bit shuffles and adds, 3 instructions per sum instead
+/// of about 10 for a lone hsum. The tree leaves input slot s's sum in lane P[s] with
+/// P = {0,2,1,3, 8,10,9,11, 4,6,5,7, 12,14,13,15} (its own inverse), so slot s is fed x[P[s]].
+KVKIT_SIMD_INLINE __m512 reduce16(const Vec (&x)[16]) {
+  const __m512 y0 = reduce_step<0>(x[0].v, x[4].v), y1 = reduce_step<0>(x[2].v, x[6].v);
+  const __m512 y2 = reduce_step<0>(x[1].v, x[5].v), y3 = reduce_step<0>(x[3].v, x[7].v);
+  const __m512 y4 = reduce_step<0>(x[8].v, x[12].v), y5 = reduce_step<0>(x[10].v, x[14].v);
+  const __m512 y6 = reduce_step<0>(x[9].v, x[13].v), y7 = reduce_step<0>(x[11].v, x[15].v);
+  const __m512 z0 = reduce_step<1>(y0, y4), z1 = reduce_step<1>(y1, y5);
+  const __m512 z2 = reduce_step<1>(y2, y6), z3 = reduce_step<1>(y3, y7);
+  return reduce_step<3>(reduce_step<2>(z0, z2), reduce_step<2>(z1, z3));
+}
+
+/// score_block for NG queries x 16 / NG tokens: the 16 dot products are reduced together
+/// (reduce16) and land in sc with one store per query.
+template <int NG, bool Tail, class T>
+inline void score_block16(const float* q,            // [NG, kdim]
+                          const T* const* rows,      // [16 / NG] K rows of kdim elements
+                          std::int32_t kdim, float* sc,  // [NG, kDecodeTile]
+                          std::int32_t j0) {
+  static_assert(NG == 1 || NG == 2 || NG == 4, "16 dot products per block");
+  constexpr int NT = 16 / NG, W = Vec::kLanes;
+  Vec acc[16];
+  for (Vec& a : acc) a = Vec::zero();
+  std::int32_t d = 0;
+  for (; d + W <= kdim; d += W) {
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = Vec::load(rows[t] + d);
+    for (int g = 0; g < NG; ++g) {
+      Vec qv = Vec::load(q + static_cast<std::size_t>(g) * kdim + d);
+      // One load per query chunk: without this GCC folds the load into each of the NT
+      // FMAs, and the loads, not the FMAs, become the bottleneck.
+      __asm__("" : "+v"(qv.v));
+      for (int t = 0; t < NT; ++t) acc[g * NT + t] = Vec::fma(qv, kv[t], acc[g * NT + t]);
+    }
+  }
+  // A kdim that is not a multiple of W is its own instantiation: the partial loads of
+  // the tail would otherwise keep the accumulators in memory for the whole loop.
+  if constexpr (Tail) {
+    const int rest = kdim - d;
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_partial(rows[t] + d, rest);
+    for (int g = 0; g < NG; ++g) {
+      const Vec qv = load_partial(q + static_cast<std::size_t>(g) * kdim + d, rest);
+      for (int t = 0; t < NT; ++t) acc[g * NT + t] = Vec::fma(qv, kv[t], acc[g * NT + t]);
+    }
+  }
+  const __m512 r = reduce16(acc);  // lane g * NT + t: query g, token j0 + t
+  if constexpr (NG == 1) {
+    _mm512_storeu_ps(sc + j0, r);
+  } else if constexpr (NG == 2) {
+    _mm256_storeu_ps(sc + j0, _mm512_castps512_ps256(r));
+    _mm256_storeu_ps(sc + kDecodeTile + j0,
+                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+  } else {
+    _mm_storeu_ps(sc + j0, _mm512_castps512_ps128(r));
+    _mm_storeu_ps(sc + kDecodeTile + j0, _mm512_extractf32x4_ps(r, 1));
+    _mm_storeu_ps(sc + 2 * kDecodeTile + j0, _mm512_extractf32x4_ps(r, 2));
+    _mm_storeu_ps(sc + 3 * kDecodeTile + j0, _mm512_extractf32x4_ps(r, 3));
+  }
+}
+#endif
+
+/// Accumulator vectors the V pass keeps in registers (queries x column chunks).
+#if defined(KVKIT_SIMD_AVX512) || defined(KVKIT_SIMD_NEON)
+inline constexpr int kAccumRegs = 16;  // of 32 vector registers
+#else
+inline constexpr int kAccumRegs = 8;  // of 16
+#endif
+
+/// acc_g[d0, d0 + NC * W) += sum_t p[g, t] * v_t[d0, d0 + NC * W) over the tile's n tokens,
+/// with the NG x NC accumulator vectors held in registers for all n tokens (tokens added
+/// in order, so the same arithmetic as accum_block). Prefetches one row of `pre` per token.
+template <int NG, int NC, class T>
+inline void accum_cols(float* acc,                  // [NG, vdim]
+                       const float* pr,             // [NG, kDecodeTile] probabilities
+                       const T* const* rows,        // [n] V rows of vdim elements
+                       std::int32_t n, std::int32_t d0, std::int32_t vdim, const Upcoming<T>& pre) {
+  constexpr int W = Vec::kLanes;
+  Vec a[NG][NC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = Vec::load(acc + static_cast<std::size_t>(g) * vdim + d0 + c * W);
+  for (std::int32_t t = 0; t < n; ++t) {
+    if (pre.n > 0) prefetch_rows(pre.rows, pre.n, t, 1, pre.bytes);
+    Vec vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = Vec::load(rows[t] + d0 + c * W);
+    for (int g = 0; g < NG; ++g) {
+      const Vec w = Vec::set1(pr[g * kDecodeTile + t]);
+      for (int c = 0; c < NC; ++c) a[g][c] = Vec::fma(w, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c].store(acc + static_cast<std::size_t>(g) * vdim + d0 + c * W);
+}
+
+/// accum_cols for the last vdim - d0 < W columns (partial vectors).
+template <int NG, class T>
+inline void accum_partial(float* acc, const float* pr, const T* const* rows, std::int32_t n,
+                          std::int32_t d0, std::int32_t vdim, const Upcoming<T>& pre) {
+  const int rest = vdim - d0;
+  Vec a[NG];
+  for (int g = 0; g < NG; ++g) a[g] = load_partial(acc + static_cast<std::size_t>(g) * vdim + d0, rest);
+  for (std::int32_t t = 0; t < n; ++t) {
+    if (pre.n > 0) prefetch_rows(pre.rows, pre.n, t, 1, pre.bytes);
+    const Vec vv = load_partial(rows[t] + d0, rest);
+    for (int g = 0; g < NG; ++g) a[g] = Vec::fma(Vec::set1(pr[g * kDecodeTile + t]), vv, a[g]);
+  }
+  for (int g = 0; g < NG; ++g) store_partial(a[g], acc + static_cast<std::size_t>(g) * vdim + d0, rest);
+}
+
+/// accum_cols over [d, vdim) in blocks of NC chunks, then NC / 2, ... 1; returns where the
+/// whole chunks end.
+template <int NG, int NC, class T>
+inline std::int32_t accum_range(float* acc, const float* pr, const T* const* rows, std::int32_t n,
+                                std::int32_t d, std::int32_t vdim, Upcoming<T>& pre) {
+  constexpr int W = Vec::kLanes;
+  for (; d + NC * W <= vdim; d += NC * W) {
+    accum_cols<NG, NC>(acc, pr, rows, n, d, vdim, pre);
+    pre.n = 0;  // the first pass over the tokens issued the prefetches
+  }
+  if constexpr (NC > 1) d = accum_range<NG, NC / 2>(acc, pr, rows, n, d, vdim, pre);
+  return d;
+}
+
+/// Largest power of two <= x (x >= 1).
+constexpr int floor_pow2(int x) { return x >= 2 ? 2 * floor_pow2(x / 2) : 1; }
 
 /// score_block over all n tokens of a tile for NG queries.
 template <int NG, class T>
@@ -284,6 +392,19 @@ inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, f
                        const Upcoming<T>& pre) {
   constexpr int NT = kTokensPerStep;
   std::int32_t j = 0;
+#if defined(KVKIT_SIMD_AVX512)
+  if constexpr (NG == 1 || NG == 2 || NG == 4) {
+    constexpr int NT16 = 16 / NG;
+    const bool tail = kdim % Vec::kLanes != 0;
+    for (; j + NT16 <= tile.n; j += NT16) {
+      prefetch_rows(pre.rows, pre.n, j, NT16, pre.bytes);
+      if (tail)
+        score_block16<NG, true>(q, tile.k + j, kdim, sc, j);
+      else
+        score_block16<NG, false>(q, tile.k + j, kdim, sc, j);
+    }
+  }
+#endif
   for (; j + NT <= tile.n; j += NT) {
     prefetch_rows(pre.rows, pre.n, j, NT, pre.bytes);
     score_block<NG, NT>(q, tile.k + j, kdim, sc, j);
@@ -296,20 +417,18 @@ inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, f
 }
 
 /// accum_block over all n tokens of a tile for NG accumulator rows.
+/// Columns outer, tokens inner: each accumulator chunk is loaded and stored once per tile.
 template <int NG, class T>
 inline void accum_tile(float* acc, const float* pr, const Tile<T>& tile, std::int32_t vdim,
                        const Upcoming<T>& pre) {
-  constexpr int NT = kTokensPerStep;
-  std::int32_t j = 0;
-  for (; j + NT <= tile.n; j += NT) {
-    prefetch_rows(pre.rows, pre.n, j, NT, pre.bytes);
-    accum_block<NG, NT>(acc, pr, j, tile.v + j, vdim);
+  constexpr int NC = std::min(8, floor_pow2(std::max(1, kAccumRegs / NG)));
+  Upcoming<T> first = pre;
+  const std::int32_t d = accum_range<NG, NC>(acc, pr, tile.v, tile.n, 0, vdim, first);
+  if (d < vdim) {
+    accum_partial<NG>(acc, pr, tile.v, tile.n, d, vdim, first);
+    first.n = 0;
   }
-  for (; j < tile.n; ++j) {
-    prefetch_rows(pre.rows, pre.n, j, 1, pre.bytes);
-    accum_block<NG, 1>(acc, pr, j, tile.v + j, vdim);
-  }
-  if (j < pre.n) prefetch_rows(pre.rows, pre.n, j, pre.n - j, pre.bytes);
+  if (tile.n < first.n) prefetch_rows(first.rows, first.n, tile.n, first.n - tile.n, first.bytes);
 }
 
 /// Online-softmax state of one (sequence, kv head, chunk): G queries' scaled q rows, the

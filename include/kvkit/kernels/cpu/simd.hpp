@@ -65,6 +65,14 @@
 #define KVKIT_SIMD_NS simd_portable
 #endif
 
+#if defined(__GNUC__) || defined(__clang__)
+// For small helpers whose array arguments must stay in registers (not inlined, the
+// array goes through the stack).
+#define KVKIT_SIMD_INLINE inline __attribute__((always_inline))
+#else
+#define KVKIT_SIMD_INLINE inline
+#endif
+
 namespace kvkit {
 namespace detail {
 namespace cpu {
