@@ -7,8 +7,10 @@
 //     cut into chunks (work items) at page boundaries; TileCursor walks a list and hands
 //     out tiles of up to kDecodeTile token rows (K and V addresses, token indices);
 //   - the tile update (decode_tile): scores of the GQA group's queries against the tile's
-//     K rows, several tokens per step with the queries' vectors shared, an online-softmax
-//     rescale per tile with a vectorised exp, then the probability-weighted V rows;
+//     K rows, several tokens per step with the queries' vectors shared (with AVX-512, 16
+//     dot products per step reduced together), an online-softmax rescale per tile with a
+//     vectorised exp, then the probability-weighted V rows, columns outer and tokens
+//     inner so the accumulators stay in registers for the whole tile;
 //   - the state merge (merge_states / merge_attention_states): (acc, max, sum) states of
 //     two chunks, or (out, lse) pairs of two calls, combine in log-sum-exp form.
 // Scores out, page subsets and channel-restricted K/V only change the inputs of these
@@ -195,15 +197,27 @@ inline void prefetch_rows(const T* const* rows, std::int32_t n, std::int32_t j, 
   (void)bytes;
 #endif
 }
+
 /// Rows of the following tile to prefetch while this one is processed: K rows during the
 /// score pass, V rows during the V pass, a few per step so that memory requests stay
 /// spread over the compute instead of arriving in bursts (rows of another page are where
-/// the hardware prefetchers cannot follow). n == 0: nothing.
+/// the hardware prefetchers cannot follow). n == 0: nothing. advance() spreads the n rows
+/// evenly over the current tile's tokens, and remembers what it issued, so the score and
+/// V loops may walk the tile in any blocking.
 template <class T>
 struct Upcoming {
   const T* const* rows = nullptr;  // [n]
   std::int32_t n = 0;
   std::size_t bytes = 0;  // per row
+  std::int32_t issued = 0;
+  /// Prefetches the rows due once `done` of the current tile's `total` tokens are
+  /// processed (all of them when done == total).
+  void advance(std::int32_t done, std::int32_t total) {
+    const std::int32_t due =
+        done >= total ? n : static_cast<std::int32_t>(static_cast<std::int64_t>(n) * done / total);
+    if (due > issued) prefetch_rows(rows, n, issued, due - issued, bytes);
+    issued = std::max(issued, due);
+  }
 };
 
 /// sc[g * kDecodeTile + j0 + t] = q_g · k_t for NG queries (rows of q, stride kdim) and
@@ -291,7 +305,9 @@ inline void score_block16(const float* q,            // [NG, kdim]
       Vec qv = Vec::load(q + static_cast<std::size_t>(g) * kdim + d);
       // One load per query chunk: without this GCC folds the load into each of the NT
       // FMAs, and the loads, not the FMAs, become the bottleneck.
+#if defined(__GNUC__) || defined(__clang__)
       __asm__("" : "+v"(qv.v));
+#endif
       for (int t = 0; t < NT; ++t) acc[g * NT + t] = Vec::fma(qv, kv[t], acc[g * NT + t]);
     }
   }
@@ -336,13 +352,13 @@ template <int NG, int NC, class T>
 inline void accum_cols(float* acc,                  // [NG, vdim]
                        const float* pr,             // [NG, kDecodeTile] probabilities
                        const T* const* rows,        // [n] V rows of vdim elements
-                       std::int32_t n, std::int32_t d0, std::int32_t vdim, const Upcoming<T>& pre) {
+                       std::int32_t n, std::int32_t d0, std::int32_t vdim, Upcoming<T>& pre) {
   constexpr int W = Vec::kLanes;
   Vec a[NG][NC];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < NC; ++c) a[g][c] = Vec::load(acc + static_cast<std::size_t>(g) * vdim + d0 + c * W);
   for (std::int32_t t = 0; t < n; ++t) {
-    if (pre.n > 0) prefetch_rows(pre.rows, pre.n, t, 1, pre.bytes);
+    if (pre.issued < pre.n) pre.advance(t + 1, n);
     Vec vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = Vec::load(rows[t] + d0 + c * W);
     for (int g = 0; g < NG; ++g) {
@@ -357,12 +373,12 @@ inline void accum_cols(float* acc,                  // [NG, vdim]
 /// accum_cols for the last vdim - d0 < W columns (partial vectors).
 template <int NG, class T>
 inline void accum_partial(float* acc, const float* pr, const T* const* rows, std::int32_t n,
-                          std::int32_t d0, std::int32_t vdim, const Upcoming<T>& pre) {
+                          std::int32_t d0, std::int32_t vdim, Upcoming<T>& pre) {
   const int rest = vdim - d0;
   Vec a[NG];
   for (int g = 0; g < NG; ++g) a[g] = load_partial(acc + static_cast<std::size_t>(g) * vdim + d0, rest);
   for (std::int32_t t = 0; t < n; ++t) {
-    if (pre.n > 0) prefetch_rows(pre.rows, pre.n, t, 1, pre.bytes);
+    if (pre.issued < pre.n) pre.advance(t + 1, n);
     const Vec vv = load_partial(rows[t] + d0, rest);
     for (int g = 0; g < NG; ++g) a[g] = Vec::fma(Vec::set1(pr[g * kDecodeTile + t]), vv, a[g]);
   }
@@ -376,8 +392,7 @@ inline std::int32_t accum_range(float* acc, const float* pr, const T* const* row
                                 std::int32_t d, std::int32_t vdim, Upcoming<T>& pre) {
   constexpr int W = Vec::kLanes;
   for (; d + NC * W <= vdim; d += NC * W) {
-    accum_cols<NG, NC>(acc, pr, rows, n, d, vdim, pre);
-    pre.n = 0;  // the first pass over the tokens issued the prefetches
+    accum_cols<NG, NC>(acc, pr, rows, n, d, vdim, pre);  // the first pass issues prefetches
   }
   if constexpr (NC > 1) d = accum_range<NG, NC / 2>(acc, pr, rows, n, d, vdim, pre);
   return d;
@@ -389,7 +404,7 @@ constexpr int floor_pow2(int x) { return x >= 2 ? 2 * floor_pow2(x / 2) : 1; }
 /// score_block over all n tokens of a tile for NG queries.
 template <int NG, class T>
 inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, float* sc,
-                       const Upcoming<T>& pre) {
+                       Upcoming<T>& pre) {
   constexpr int NT = kTokensPerStep;
   std::int32_t j = 0;
 #if defined(KVKIT_SIMD_AVX512)
@@ -397,7 +412,7 @@ inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, f
     constexpr int NT16 = 16 / NG;
     const bool tail = kdim % Vec::kLanes != 0;
     for (; j + NT16 <= tile.n; j += NT16) {
-      prefetch_rows(pre.rows, pre.n, j, NT16, pre.bytes);
+      pre.advance(j + NT16, tile.n);
       if (tail)
         score_block16<NG, true>(q, tile.k + j, kdim, sc, j);
       else
@@ -406,29 +421,25 @@ inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, f
   }
 #endif
   for (; j + NT <= tile.n; j += NT) {
-    prefetch_rows(pre.rows, pre.n, j, NT, pre.bytes);
+    pre.advance(j + NT, tile.n);
     score_block<NG, NT>(q, tile.k + j, kdim, sc, j);
   }
   for (; j < tile.n; ++j) {
-    prefetch_rows(pre.rows, pre.n, j, 1, pre.bytes);
+    pre.advance(j + 1, tile.n);
     score_block<NG, 1>(q, tile.k + j, kdim, sc, j);
   }
-  if (j < pre.n) prefetch_rows(pre.rows, pre.n, j, pre.n - j, pre.bytes);
+  pre.advance(tile.n, tile.n);
 }
 
 /// accum_block over all n tokens of a tile for NG accumulator rows.
 /// Columns outer, tokens inner: each accumulator chunk is loaded and stored once per tile.
 template <int NG, class T>
 inline void accum_tile(float* acc, const float* pr, const Tile<T>& tile, std::int32_t vdim,
-                       const Upcoming<T>& pre) {
+                       Upcoming<T>& pre) {
   constexpr int NC = std::min(8, floor_pow2(std::max(1, kAccumRegs / NG)));
-  Upcoming<T> first = pre;
-  const std::int32_t d = accum_range<NG, NC>(acc, pr, tile.v, tile.n, 0, vdim, first);
-  if (d < vdim) {
-    accum_partial<NG>(acc, pr, tile.v, tile.n, d, vdim, first);
-    first.n = 0;
-  }
-  if (tile.n < first.n) prefetch_rows(first.rows, first.n, tile.n, first.n - tile.n, first.bytes);
+  const std::int32_t d = accum_range<NG, NC>(acc, pr, tile.v, tile.n, 0, vdim, pre);
+  if (d < vdim) accum_partial<NG>(acc, pr, tile.v, tile.n, d, vdim, pre);
+  pre.advance(tile.n, tile.n);
 }
 
 /// Online-softmax state of one (sequence, kv head, chunk): G queries' scaled q rows, the
@@ -453,16 +464,15 @@ inline SoftmaxState state_at(float* slice, const DecodeShape& s) {
 }
 
 /// The per-tile update: scores, softmax rescale, V accumulation, for all G queries, while
-/// the rows of `next` (the following tile, n may be 0) are prefetched.
-/// `scores_row(g)` is where query g's scaled logits go (nullptr: not requested).
+/// the K rows of next_k (during the scores) and the V rows of next_v (during the V pass)
+/// are prefetched. `scores_row(g)` is where query g's scaled logits go (nullptr: not
+/// requested).
 template <class T, class ScoresRow>
-void decode_tile(const SoftmaxState& st, const Tile<T>& tile, const Tile<T>& next,
+void decode_tile(const SoftmaxState& st, const Tile<T>& tile, Upcoming<T> next_k, Upcoming<T> next_v,
                  const DecodeShape& s, ScoresRow&& scores_row) {
   constexpr int W = Vec::kLanes;
   const std::int32_t G = s.group, n = tile.n;
-  const Upcoming<T> next_k{next.k, next.n, sizeof(T) * static_cast<std::size_t>(s.kdim)};
-  const Upcoming<T> next_v{next.v, next.n, sizeof(T) * static_cast<std::size_t>(s.vdim)};
-  const Upcoming<T> none{};
+  Upcoming<T> none{};
   std::int32_t g = 0;
   // The first head block issues the prefetches; the others find the rows on their way.
   for (; g + 4 <= G; g += 4)
@@ -641,12 +651,15 @@ void decode_item(const PagedKVView<T>& view, const T* q, T* out, float* lse,
   Tile<T> head_cur, head_next;
   cursor.next(tiles[0]);
   // Only the first tile is requested in one burst; later tiles are prefetched a tile
-  // ahead, spread over the work of the tile before them (decode_tile).
+  // ahead, spread over the work of the tile before them (decode_tile). (Two tiles ahead,
+  // or whole NHD token rows spread over the heads, measured slower on the reference machine.)
   for (std::int32_t i = 0; i < heads; ++i)
     for (std::int32_t j = 0; j < tiles[0].n; ++j) {
       prefetch_row(tiles[0].k[j] + i * view.k_stride_head, sizeof(T) * static_cast<std::size_t>(s.kdim));
       prefetch_row(tiles[0].v[j] + i * view.v_stride_head, sizeof(T) * static_cast<std::size_t>(s.vdim));
     }
+  const std::size_t k_row = sizeof(T) * static_cast<std::size_t>(s.kdim);
+  const std::size_t v_row = sizeof(T) * static_cast<std::size_t>(s.vdim);
   for (int cur = 0; tiles[cur].n > 0; cur ^= 1) {
     Tile<T>& next = tiles[cur ^ 1];
     cursor.next(next);
@@ -656,11 +669,13 @@ void decode_item(const PagedKVView<T>& view, const T* q, T* out, float* lse,
         return sb != nullptr ? sb + g * p.scores_stride : nullptr;
       };
       if (i == 0) {
-        decode_tile(st[0], tiles[cur], next, s, scores_row);
+        decode_tile(st[0], tiles[cur], Upcoming<T>{next.k, next.n, k_row}, Upcoming<T>{next.v, next.n, v_row},
+                    s, scores_row);
       } else {
         tile_for_head(tiles[cur], i * view.k_stride_head, i * view.v_stride_head, head_cur);
         tile_for_head(next, i * view.k_stride_head, i * view.v_stride_head, head_next);
-        decode_tile(st[i], head_cur, head_next, s, scores_row);
+        decode_tile(st[i], head_cur, Upcoming<T>{head_next.k, head_next.n, k_row},
+                    Upcoming<T>{head_next.v, head_next.n, v_row}, s, scores_row);
       }
     }
   }
