@@ -9,8 +9,7 @@
 //   - the tile update (decode_tile): scores of the GQA group's queries against the tile's
 //     K rows, several tokens per step with the queries' vectors shared (with AVX-512, 16
 //     dot products per step reduced together), an online-softmax rescale per tile with a
-//     vectorised exp, then the probability-weighted V rows, columns outer and tokens
-//     inner so the accumulators stay in registers for the whole tile;
+//     vectorised exp, then the probability-weighted V rows;
 //   - the state merge (merge_states / merge_attention_states): (acc, max, sum) states of
 //     two chunks, or (out, lse) pairs of two calls, combine in log-sum-exp form.
 // Scores out, page subsets and channel-restricted K/V only change the inputs of these
@@ -46,7 +45,7 @@ namespace cpu {
 inline namespace KVKIT_SIMD_NS {
 
 /// Tokens scored per softmax rescale (a multiple of every Vec width).
-inline constexpr std::int32_t kDecodeTile = 64;
+inline constexpr std::int32_t kDecodeTile = 32;
 /// Batches with fewer (sequence, kv head) pairs than this cut sequences into chunks.
 inline constexpr std::int32_t kSplitTargetItems = 16;
 /// At most this many chunks per (sequence, kv head).
@@ -256,6 +255,41 @@ inline void score_block(const float* q,  // [NG, kdim]
   }
 }
 
+/// acc_g += sum_t p[g, j0 + t] * v_t for NG accumulator rows and NT V rows: each chunk of
+/// an accumulator row is loaded and stored once for all NT tokens.
+template <int NG, int NT, class T>
+inline void accum_block(float* acc,            // [NG, vdim]
+                        const float* pr,       // [NG, kDecodeTile] probabilities
+                        std::int32_t j0, const T* const* rows,  // [NT] V rows of vdim elements
+                        std::int32_t vdim) {
+  constexpr int W = Vec::kLanes;
+  Vec w[NG][NT];
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < NT; ++t) w[g][t] = Vec::set1(pr[g * kDecodeTile + j0 + t]);
+  std::int32_t d = 0;
+  for (; d + W <= vdim; d += W) {
+    Vec vv[NT];
+    for (int t = 0; t < NT; ++t) vv[t] = Vec::load(rows[t] + d);
+    for (int g = 0; g < NG; ++g) {
+      float* a = acc + static_cast<std::size_t>(g) * vdim + d;
+      Vec x = Vec::load(a);
+      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
+      x.store(a);
+    }
+  }
+  if (d < vdim) {
+    const int rest = vdim - d;
+    Vec vv[NT];
+    for (int t = 0; t < NT; ++t) vv[t] = load_partial(rows[t] + d, rest);
+    for (int g = 0; g < NG; ++g) {
+      float* a = acc + static_cast<std::size_t>(g) * vdim + d;
+      Vec x = load_partial(a, rest);
+      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
+      store_partial(x, a, rest);
+    }
+  }
+}
+
 #if defined(KVKIT_SIMD_AVX512)
 /// One step of reduce16: the halves (at 256-, 128- or 64-bit granularity, selected by
 /// Step) of a and b added pairwise, a's partial sums in the lower part of each pair.
@@ -338,69 +372,6 @@ inline void score_block16(const float* q,            // [NG, kdim]
 }
 #endif
 
-/// Accumulator vectors the V pass keeps in registers (queries x column chunks).
-#if defined(KVKIT_SIMD_AVX512) || defined(KVKIT_SIMD_NEON)
-inline constexpr int kAccumRegs = 16;  // of 32 vector registers
-#else
-inline constexpr int kAccumRegs = 8;  // of 16
-#endif
-
-/// acc_g[d0, d0 + NC * W) += sum_t p[g, t] * v_t[d0, d0 + NC * W) over the tile's n tokens,
-/// with the NG x NC accumulator vectors held in registers for all n tokens (tokens added
-/// in order, so the same arithmetic as accum_block). Prefetches one row of `pre` per token.
-template <int NG, int NC, class T>
-inline void accum_cols(float* acc,                  // [NG, vdim]
-                       const float* pr,             // [NG, kDecodeTile] probabilities
-                       const T* const* rows,        // [n] V rows of vdim elements
-                       std::int32_t n, std::int32_t d0, std::int32_t vdim, Upcoming<T>& pre) {
-  constexpr int W = Vec::kLanes;
-  Vec a[NG][NC];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < NC; ++c) a[g][c] = Vec::load(acc + static_cast<std::size_t>(g) * vdim + d0 + c * W);
-  for (std::int32_t t = 0; t < n; ++t) {
-    if (pre.issued < pre.n) pre.advance(t + 1, n);
-    Vec vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = Vec::load(rows[t] + d0 + c * W);
-    for (int g = 0; g < NG; ++g) {
-      const Vec w = Vec::set1(pr[g * kDecodeTile + t]);
-      for (int c = 0; c < NC; ++c) a[g][c] = Vec::fma(w, vv[c], a[g][c]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < NC; ++c) a[g][c].store(acc + static_cast<std::size_t>(g) * vdim + d0 + c * W);
-}
-
-/// accum_cols for the last vdim - d0 < W columns (partial vectors).
-template <int NG, class T>
-inline void accum_partial(float* acc, const float* pr, const T* const* rows, std::int32_t n,
-                          std::int32_t d0, std::int32_t vdim, Upcoming<T>& pre) {
-  const int rest = vdim - d0;
-  Vec a[NG];
-  for (int g = 0; g < NG; ++g) a[g] = load_partial(acc + static_cast<std::size_t>(g) * vdim + d0, rest);
-  for (std::int32_t t = 0; t < n; ++t) {
-    if (pre.issued < pre.n) pre.advance(t + 1, n);
-    const Vec vv = load_partial(rows[t] + d0, rest);
-    for (int g = 0; g < NG; ++g) a[g] = Vec::fma(Vec::set1(pr[g * kDecodeTile + t]), vv, a[g]);
-  }
-  for (int g = 0; g < NG; ++g) store_partial(a[g], acc + static_cast<std::size_t>(g) * vdim + d0, rest);
-}
-
-/// accum_cols over [d, vdim) in blocks of NC chunks, then NC / 2, ... 1; returns where the
-/// whole chunks end.
-template <int NG, int NC, class T>
-inline std::int32_t accum_range(float* acc, const float* pr, const T* const* rows, std::int32_t n,
-                                std::int32_t d, std::int32_t vdim, Upcoming<T>& pre) {
-  constexpr int W = Vec::kLanes;
-  for (; d + NC * W <= vdim; d += NC * W) {
-    accum_cols<NG, NC>(acc, pr, rows, n, d, vdim, pre);  // the first pass issues prefetches
-  }
-  if constexpr (NC > 1) d = accum_range<NG, NC / 2>(acc, pr, rows, n, d, vdim, pre);
-  return d;
-}
-
-/// Largest power of two <= x (x >= 1).
-constexpr int floor_pow2(int x) { return x >= 2 ? 2 * floor_pow2(x / 2) : 1; }
-
 /// score_block over all n tokens of a tile for NG queries.
 template <int NG, class T>
 inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, float* sc,
@@ -432,13 +403,19 @@ inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, f
 }
 
 /// accum_block over all n tokens of a tile for NG accumulator rows.
-/// Columns outer, tokens inner: each accumulator chunk is loaded and stored once per tile.
 template <int NG, class T>
 inline void accum_tile(float* acc, const float* pr, const Tile<T>& tile, std::int32_t vdim,
                        Upcoming<T>& pre) {
-  constexpr int NC = std::min(8, floor_pow2(std::max(1, kAccumRegs / NG)));
-  const std::int32_t d = accum_range<NG, NC>(acc, pr, tile.v, tile.n, 0, vdim, pre);
-  if (d < vdim) accum_partial<NG>(acc, pr, tile.v, tile.n, d, vdim, pre);
+  constexpr int NT = kTokensPerStep;
+  std::int32_t j = 0;
+  for (; j + NT <= tile.n; j += NT) {
+    pre.advance(j + NT, tile.n);
+    accum_block<NG, NT>(acc, pr, j, tile.v + j, vdim);
+  }
+  for (; j < tile.n; ++j) {
+    pre.advance(j + 1, tile.n);
+    accum_block<NG, 1>(acc, pr, j, tile.v + j, vdim);
+  }
   pre.advance(tile.n, tile.n);
 }
 
