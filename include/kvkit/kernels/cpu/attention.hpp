@@ -7,8 +7,9 @@
 //     cut into chunks (work items) at page boundaries; TileCursor walks a list and hands
 //     out tiles of up to kDecodeTile token rows (K and V addresses, token indices);
 //   - the tile update (decode_tile): scores of the GQA group's queries against the tile's
-//     K rows, several tokens per step with the queries' vectors shared, an online-softmax
-//     rescale per tile with a vectorised exp, then the probability-weighted V rows;
+//     K rows, several tokens per step with the queries' vectors shared (with AVX-512, 16
+//     dot products per step reduced together), an online-softmax rescale per tile with a
+//     vectorised exp, then the probability-weighted V rows;
 //   - the state merge (merge_states / merge_attention_states): (acc, max, sum) states of
 //     two chunks, or (out, lse) pairs of two calls, combine in log-sum-exp form.
 // Scores out, page subsets and channel-restricted K/V only change the inputs of these
@@ -195,6 +196,29 @@ inline void prefetch_rows(const T* const* rows, std::int32_t n, std::int32_t j, 
   (void)bytes;
 #endif
 }
+
+/// Rows of the following tile to prefetch while this one is processed: K rows during the
+/// score pass, V rows during the V pass, a few per step so that memory requests stay
+/// spread over the compute instead of arriving in bursts (rows of another page are where
+/// the hardware prefetchers cannot follow). n == 0: nothing. advance() spreads the n rows
+/// evenly over the current tile's tokens, and remembers what it issued, so the score and
+/// V loops may walk the tile in any blocking.
+template <class T>
+struct Upcoming {
+  const T* const* rows = nullptr;  // [n]
+  std::int32_t n = 0;
+  std::size_t bytes = 0;  // per row
+  std::int32_t issued = 0;
+  /// Prefetches the rows due once `done` of the current tile's `total` tokens are
+  /// processed (all of them when done == total).
+  void advance(std::int32_t done, std::int32_t total) {
+    const std::int32_t due =
+        done >= total ? n : static_cast<std::int32_t>(static_cast<std::int64_t>(n) * done / total);
+    if (due > issued) prefetch_rows(rows, n, issued, due - issued, bytes);
+    issued = std::max(issued, due);
+  }
+};
+
 /// sc[g * kDecodeTile + j0 + t] = q_g · k_t for NG queries (rows of q, stride kdim) and
 /// NT tokens: the queries' vectors are loaded once per chunk of dims for all NT tokens.
 template <int NG, int NT, class T>
@@ -266,50 +290,133 @@ inline void accum_block(float* acc,            // [NG, vdim]
   }
 }
 
-/// score_block over all n tokens of a tile for NG queries.
-/// Rows of the following tile to prefetch while this one is processed: K rows during the
-/// score pass, V rows during the V pass, a few per step so that memory requests stay
-/// spread over the compute instead of arriving in bursts (rows of another page are where
-/// the hardware prefetchers cannot follow). n == 0: nothing.
-template <class T>
-struct Upcoming {
-  const T* const* rows = nullptr;  // [n]
-  std::int32_t n = 0;
-  std::size_t bytes = 0;  // per row
-};
+#if defined(KVKIT_SIMD_AVX512)
+/// One step of reduce16: the halves (at 256-, 128- or 64-bit granularity, selected by
+/// Step) of a and b added pairwise, a's partial sums in the lower part of each pair.
+template <int Step>
+KVKIT_SIMD_INLINE __m512 reduce_step(__m512 a, __m512 b) {
+  if constexpr (Step == 0)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  else if constexpr (Step == 1)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  else if constexpr (Step == 2)
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
+  else
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+/// Lane sums of 16 vectors in one vector (lane i = sum of x[i]'s lanes, in a fixed
+/// order): a tree of 256/128/64/32-bit shuffles and adds, 3 instructions per sum instead
+/// of about 10 for a lone hsum. The tree leaves input slot s's sum in lane P[s] with
+/// P = {0,2,1,3, 8,10,9,11, 4,6,5,7, 12,14,13,15} (its own inverse), so slot s is fed x[P[s]].
+KVKIT_SIMD_INLINE __m512 reduce16(const Vec (&x)[16]) {
+  const __m512 y0 = reduce_step<0>(x[0].v, x[4].v), y1 = reduce_step<0>(x[2].v, x[6].v);
+  const __m512 y2 = reduce_step<0>(x[1].v, x[5].v), y3 = reduce_step<0>(x[3].v, x[7].v);
+  const __m512 y4 = reduce_step<0>(x[8].v, x[12].v), y5 = reduce_step<0>(x[10].v, x[14].v);
+  const __m512 y6 = reduce_step<0>(x[9].v, x[13].v), y7 = reduce_step<0>(x[11].v, x[15].v);
+  const __m512 z0 = reduce_step<1>(y0, y4), z1 = reduce_step<1>(y1, y5);
+  const __m512 z2 = reduce_step<1>(y2, y6), z3 = reduce_step<1>(y3, y7);
+  return reduce_step<3>(reduce_step<2>(z0, z2), reduce_step<2>(z1, z3));
+}
+
+/// score_block for NG queries x 16 / NG tokens: the 16 dot products are reduced together
+/// (reduce16) and land in sc with one store per query.
+template <int NG, bool Tail, class T>
+inline void score_block16(const float* q,            // [NG, kdim]
+                          const T* const* rows,      // [16 / NG] K rows of kdim elements
+                          std::int32_t kdim, float* sc,  // [NG, kDecodeTile]
+                          std::int32_t j0) {
+  static_assert(NG == 1 || NG == 2 || NG == 4, "16 dot products per block");
+  constexpr int NT = 16 / NG, W = Vec::kLanes;
+  Vec acc[16];
+  for (Vec& a : acc) a = Vec::zero();
+  std::int32_t d = 0;
+  for (; d + W <= kdim; d += W) {
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = Vec::load(rows[t] + d);
+    for (int g = 0; g < NG; ++g) {
+      Vec qv = Vec::load(q + static_cast<std::size_t>(g) * kdim + d);
+      // One load per query chunk: without this GCC folds the load into each of the NT
+      // FMAs, and the loads, not the FMAs, become the bottleneck.
+#if defined(__GNUC__) || defined(__clang__)
+      __asm__("" : "+v"(qv.v));
+#endif
+      for (int t = 0; t < NT; ++t) acc[g * NT + t] = Vec::fma(qv, kv[t], acc[g * NT + t]);
+    }
+  }
+  // A kdim that is not a multiple of W is its own instantiation: the partial loads of
+  // the tail would otherwise keep the accumulators in memory for the whole loop.
+  if constexpr (Tail) {
+    const int rest = kdim - d;
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_partial(rows[t] + d, rest);
+    for (int g = 0; g < NG; ++g) {
+      const Vec qv = load_partial(q + static_cast<std::size_t>(g) * kdim + d, rest);
+      for (int t = 0; t < NT; ++t) acc[g * NT + t] = Vec::fma(qv, kv[t], acc[g * NT + t]);
+    }
+  }
+  const __m512 r = reduce16(acc);  // lane g * NT + t: query g, token j0 + t
+  if constexpr (NG == 1) {
+    _mm512_storeu_ps(sc + j0, r);
+  } else if constexpr (NG == 2) {
+    _mm256_storeu_ps(sc + j0, _mm512_castps512_ps256(r));
+    _mm256_storeu_ps(sc + kDecodeTile + j0,
+                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+  } else {
+    _mm_storeu_ps(sc + j0, _mm512_castps512_ps128(r));
+    _mm_storeu_ps(sc + kDecodeTile + j0, _mm512_extractf32x4_ps(r, 1));
+    _mm_storeu_ps(sc + 2 * kDecodeTile + j0, _mm512_extractf32x4_ps(r, 2));
+    _mm_storeu_ps(sc + 3 * kDecodeTile + j0, _mm512_extractf32x4_ps(r, 3));
+  }
+}
+#endif
 
 /// score_block over all n tokens of a tile for NG queries.
 template <int NG, class T>
 inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, float* sc,
-                       const Upcoming<T>& pre) {
+                       Upcoming<T>& pre) {
   constexpr int NT = kTokensPerStep;
   std::int32_t j = 0;
+#if defined(KVKIT_SIMD_AVX512)
+  if constexpr (NG == 1 || NG == 2 || NG == 4) {
+    constexpr int NT16 = 16 / NG;
+    const bool tail = kdim % Vec::kLanes != 0;
+    for (; j + NT16 <= tile.n; j += NT16) {
+      pre.advance(j + NT16, tile.n);
+      if (tail)
+        score_block16<NG, true>(q, tile.k + j, kdim, sc, j);
+      else
+        score_block16<NG, false>(q, tile.k + j, kdim, sc, j);
+    }
+  }
+#endif
   for (; j + NT <= tile.n; j += NT) {
-    prefetch_rows(pre.rows, pre.n, j, NT, pre.bytes);
+    pre.advance(j + NT, tile.n);
     score_block<NG, NT>(q, tile.k + j, kdim, sc, j);
   }
   for (; j < tile.n; ++j) {
-    prefetch_rows(pre.rows, pre.n, j, 1, pre.bytes);
+    pre.advance(j + 1, tile.n);
     score_block<NG, 1>(q, tile.k + j, kdim, sc, j);
   }
-  if (j < pre.n) prefetch_rows(pre.rows, pre.n, j, pre.n - j, pre.bytes);
+  pre.advance(tile.n, tile.n);
 }
 
 /// accum_block over all n tokens of a tile for NG accumulator rows.
 template <int NG, class T>
 inline void accum_tile(float* acc, const float* pr, const Tile<T>& tile, std::int32_t vdim,
-                       const Upcoming<T>& pre) {
+                       Upcoming<T>& pre) {
   constexpr int NT = kTokensPerStep;
   std::int32_t j = 0;
   for (; j + NT <= tile.n; j += NT) {
-    prefetch_rows(pre.rows, pre.n, j, NT, pre.bytes);
+    pre.advance(j + NT, tile.n);
     accum_block<NG, NT>(acc, pr, j, tile.v + j, vdim);
   }
   for (; j < tile.n; ++j) {
-    prefetch_rows(pre.rows, pre.n, j, 1, pre.bytes);
+    pre.advance(j + 1, tile.n);
     accum_block<NG, 1>(acc, pr, j, tile.v + j, vdim);
   }
-  if (j < pre.n) prefetch_rows(pre.rows, pre.n, j, pre.n - j, pre.bytes);
+  pre.advance(tile.n, tile.n);
 }
 
 /// Online-softmax state of one (sequence, kv head, chunk): G queries' scaled q rows, the
@@ -334,16 +441,15 @@ inline SoftmaxState state_at(float* slice, const DecodeShape& s) {
 }
 
 /// The per-tile update: scores, softmax rescale, V accumulation, for all G queries, while
-/// the rows of `next` (the following tile, n may be 0) are prefetched.
-/// `scores_row(g)` is where query g's scaled logits go (nullptr: not requested).
+/// the K rows of next_k (during the scores) and the V rows of next_v (during the V pass)
+/// are prefetched. `scores_row(g)` is where query g's scaled logits go (nullptr: not
+/// requested).
 template <class T, class ScoresRow>
-void decode_tile(const SoftmaxState& st, const Tile<T>& tile, const Tile<T>& next,
+void decode_tile(const SoftmaxState& st, const Tile<T>& tile, Upcoming<T> next_k, Upcoming<T> next_v,
                  const DecodeShape& s, ScoresRow&& scores_row) {
   constexpr int W = Vec::kLanes;
   const std::int32_t G = s.group, n = tile.n;
-  const Upcoming<T> next_k{next.k, next.n, sizeof(T) * static_cast<std::size_t>(s.kdim)};
-  const Upcoming<T> next_v{next.v, next.n, sizeof(T) * static_cast<std::size_t>(s.vdim)};
-  const Upcoming<T> none{};
+  Upcoming<T> none{};
   std::int32_t g = 0;
   // The first head block issues the prefetches; the others find the rows on their way.
   for (; g + 4 <= G; g += 4)
@@ -522,12 +628,15 @@ void decode_item(const PagedKVView<T>& view, const T* q, T* out, float* lse,
   Tile<T> head_cur, head_next;
   cursor.next(tiles[0]);
   // Only the first tile is requested in one burst; later tiles are prefetched a tile
-  // ahead, spread over the work of the tile before them (decode_tile).
+  // ahead, spread over the work of the tile before them (decode_tile). (Two tiles ahead,
+  // or whole NHD token rows spread over the heads, measured slower on the reference machine.)
   for (std::int32_t i = 0; i < heads; ++i)
     for (std::int32_t j = 0; j < tiles[0].n; ++j) {
       prefetch_row(tiles[0].k[j] + i * view.k_stride_head, sizeof(T) * static_cast<std::size_t>(s.kdim));
       prefetch_row(tiles[0].v[j] + i * view.v_stride_head, sizeof(T) * static_cast<std::size_t>(s.vdim));
     }
+  const std::size_t k_row = sizeof(T) * static_cast<std::size_t>(s.kdim);
+  const std::size_t v_row = sizeof(T) * static_cast<std::size_t>(s.vdim);
   for (int cur = 0; tiles[cur].n > 0; cur ^= 1) {
     Tile<T>& next = tiles[cur ^ 1];
     cursor.next(next);
@@ -537,11 +646,13 @@ void decode_item(const PagedKVView<T>& view, const T* q, T* out, float* lse,
         return sb != nullptr ? sb + g * p.scores_stride : nullptr;
       };
       if (i == 0) {
-        decode_tile(st[0], tiles[cur], next, s, scores_row);
+        decode_tile(st[0], tiles[cur], Upcoming<T>{next.k, next.n, k_row}, Upcoming<T>{next.v, next.n, v_row},
+                    s, scores_row);
       } else {
         tile_for_head(tiles[cur], i * view.k_stride_head, i * view.v_stride_head, head_cur);
         tile_for_head(next, i * view.k_stride_head, i * view.v_stride_head, head_next);
-        decode_tile(st[i], head_cur, head_next, s, scores_row);
+        decode_tile(st[i], head_cur, Upcoming<T>{head_next.k, head_next.n, k_row},
+                    Upcoming<T>{head_next.v, head_next.n, v_row}, s, scores_row);
       }
     }
   }
