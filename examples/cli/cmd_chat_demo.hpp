@@ -187,6 +187,9 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   eo.num_pages = num_pages;
   eo.max_batch = 1;
   eo.threads = o.threads;
+  // Every way must produce no_cache's tokens exactly: reused pages were written by decode
+  // steps or by earlier prefills split elsewhere, so prefill attends as decode does.
+  eo.prefill_decode_attention = true;
   Engine eng(ck, eo);
   const auto& cfg = eng.config();
   engine::EngineConversationHost host(eng);

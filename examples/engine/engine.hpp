@@ -99,6 +99,11 @@ struct EngineOptions {
   int threads = 1;                                   // threads of the projections and KV kernels
   bool quantized_matvec = true;                      // decode on the checkpoint's quantized blocks
   bool validate_tables = false;                      // validate_page_table() on every step
+  // Batched prefill attends through the paged decode kernel, one view row per query token,
+  // instead of the tiled kernel: the prompt's K/V and logits are then bitwise what decode
+  // computes token by token, whatever the chunking (a cached prefix + a short prefill gives
+  // the same tokens as a whole prefill). Costs O(T^2) K/V reads per chunk.
+  bool prefill_decode_attention = false;
   std::int64_t max_pool_bytes = 0;                   // K+V pool cap; 0: physical memory
 };
 
@@ -168,6 +173,7 @@ class Engine {
       opt_.num_pages = static_cast<std::int32_t>(n);
     }
     check_pool_size(c);
+    prefiller_.set_tiled_attention(!opt_.prefill_decode_attention);
     geometry_.num_kv_heads = c.n_kv_heads;
     geometry_.head_dim = c.head_dim();
     geometry_.page_size = opt_.page_size;
