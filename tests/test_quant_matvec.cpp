@@ -536,6 +536,34 @@ TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing
   }
 }
 
+TEST_CASE("EngineOptions::prefill_decode_attention: chunked Engine::prefill equals teacher forcing bit for bit", "[quant][prefill][engine]") {
+  const QuantModel m = make_quant_model();
+  KVKIT_TEST_RNG(rng);
+  std::uniform_int_distribution<std::int32_t> tok(0, m.ck->config().vocab_size - 1);
+  std::vector<std::int32_t> prompt(40);
+  for (auto& t : prompt) t = tok(rng);
+  EngineOptions o;
+  o.page_size = 8;
+  o.max_batch = 1;
+  Engine ref(m.ck, o);
+  const SeqId rid = ref.add_sequence(prompt);
+  for (std::size_t i = 0; i < prompt.size(); ++i) ref.step();
+  o.prefill_decode_attention = true;
+  for (int threads : {1, 2}) {
+    for (std::int32_t chunk : {5, 13, 64}) {  // chunk borders inside and across pages
+      INFO("threads " << threads << " chunk " << chunk);
+      o.threads = threads;
+      Engine eng(m.ck, o);
+      const SeqId id = eng.add_sequence(prompt);
+      while (eng.prefill(id, chunk) > 0) {
+      }
+      eng.step();  // the last prompt token: logits and the first generated token
+      REQUIRE(test::bitwise_equal(eng.last_logits(id), ref.last_logits(rid)));
+      REQUIRE(eng.tokens(id) == ref.tokens(rid));
+    }
+  }
+}
+
 TEST_CASE("A checkpoint with quantized projections only: same quantized run bit for bit, float path refused", "[quant][engine]") {
   const QuantModel m = make_quant_model();
   const Checkpoint& full = *m.ck;
