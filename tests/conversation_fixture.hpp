@@ -15,6 +15,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine/conversation_host.hpp"
 #include "engine/engine.hpp"
+#include "kvkit/store/block_store.hpp"
 
 namespace kvkit {
 namespace test {
@@ -80,6 +81,68 @@ void check_invariants(const engine::Engine& eng, const Cache& cache,
   for (const auto& kv : cache.references()) held += kv.second > 0 ? 1 : 0;
   REQUIRE(held == cache.held_pages());
 }
+
+/// A BlockStore configuration for the engine's model with pages of `page_size` tokens.
+inline store::BlockStoreConfig store_config(const engine::ModelConfig& c, std::int32_t page_size,
+                                            const std::string& ns) {
+  store::BlockStoreConfig sc;
+  sc.ns = ns;
+  sc.num_layers = c.n_layers;
+  sc.page_size = page_size;
+  sc.num_kv_heads = c.n_kv_heads;
+  sc.head_dim = c.head_dim();
+  return sc;
+}
+
+/// The running turns and known ids of a randomized lifecycle test, and the operations the
+/// lifecycle tests (with and without prefix sharing) share: kind 1 next turn (sometimes
+/// diverging), 2 decode a few tokens (may reclaim), 3 finish the turn, 4 fork, 5 end,
+/// 6 evict, 7 reclaim. apply() returns false for any other kind, or when the operation does
+/// not apply (no such running turn, three turns running): the caller does its own then.
+struct RandomLifecycle {
+  std::map<std::string, engine::SeqId> running;
+  std::vector<std::string> ids;
+  int next_id = 0;
+
+  bool apply(int kind, const std::string& pick, engine::Engine& eng,
+             conversation::ConversationCache<float>& cache, std::mt19937_64& rng) {
+    const std::int32_t vocab = eng.config().vocab_size, seq_len = eng.config().seq_len;
+    if (kind == 1 && running.count(pick) == 0 && running.size() < 3) {
+      std::vector<std::int32_t> prompt = cache.tokens(pick);
+      if (!prompt.empty() && rng() % 4 == 0) prompt.resize(rng() % prompt.size());  // diverge
+      const auto more = random_tokens(1 + rng() % 8, vocab, rng);
+      prompt.insert(prompt.end(), more.begin(), more.end());
+      if (static_cast<std::int32_t>(prompt.size()) + 8 < seq_len)
+        running[pick] = engine::start_turn(eng, cache, pick, prompt);
+    } else if (kind == 2 && running.count(pick)) {
+      for (int i = 0; i < 1 + static_cast<int>(rng() % 6); ++i)
+        if (!eng.try_step().is_ok()) break;
+    } else if (kind == 3 && running.count(pick)) {
+      const engine::SeqId s = running[pick];
+      if (rng() % 2 == 0 && eng.position(s) + 1 < static_cast<std::int32_t>(eng.tokens(s).size()))
+        eng.prefill(s);
+      engine::finish_turn(eng, cache, pick, s);
+      running.erase(pick);
+    } else if (kind == 4) {
+      cache.fork(pick, "c" + std::to_string(next_id));
+      ids.push_back("c" + std::to_string(next_id++));
+    } else if (kind == 5) {
+      if (running.count(pick)) {
+        eng.free_sequence(running[pick]);
+        running.erase(pick);
+      }
+      cache.end(pick);
+      ids.erase(std::find(ids.begin(), ids.end(), pick));
+    } else if (kind == 6) {
+      cache.evict(pick);
+    } else if (kind == 7) {
+      cache.reclaim(static_cast<std::int32_t>(rng() % 8));
+    } else {
+      return false;
+    }
+    return true;
+  }
+};
 
 }  // namespace test
 }  // namespace kvkit

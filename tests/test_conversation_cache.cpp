@@ -408,20 +408,13 @@ TEST_CASE("randomized lifecycles keep every page's refcount equal to its holders
   KVKIT_TEST_RNG(rng);
   auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
   const std::int32_t vocab = ck->config().vocab_size;
-  const std::int32_t seq_len = ck->config().seq_len;
   for (int spill = 0; spill < 2; ++spill) {
     INFO("spill " << spill);
     EngineOptions o = small_options(4, 40);
     Engine eng(ck, o);
     EngineConversationHost host(eng);
     store::MemoryBackend backend(8 << 20);
-    store::BlockStoreConfig sc;
-    sc.ns = "randomized";
-    sc.num_layers = ck->config().n_layers;
-    sc.page_size = 4;
-    sc.num_kv_heads = ck->config().n_kv_heads;
-    sc.head_dim = ck->config().head_dim();
-    store::BlockStore<float> bs(backend, sc);
+    store::BlockStore<float> bs(backend, kvkit::test::store_config(ck->config(), 4, "randomized"));
     FakeClock clock;
     Params p;
     p.idle_timeout_s = 50;
@@ -431,9 +424,10 @@ TEST_CASE("randomized lifecycles keep every page's refcount equal to its holders
     p.fork_copies_partial_page = rng() % 2 == 0;
     ConversationCache<float> cache(host, p, clock.fn(), &bs);
     eng.set_reclaim([&](std::int32_t n) { return cache.reclaim(n); });
-    std::map<std::string, SeqId> running;
-    std::vector<std::string> ids;
-    int next_id = 0, errors = 0;
+    kvkit::test::RandomLifecycle ops;
+    std::map<std::string, SeqId>& running = ops.running;
+    std::vector<std::string>& ids = ops.ids;
+    int errors = 0;
     for (int op = 0; op < 400; ++op) {
       clock.t += static_cast<double>(rng() % 7);
       const int kind = static_cast<int>(rng() % 9);
@@ -442,43 +436,12 @@ TEST_CASE("randomized lifecycles keep every page's refcount equal to its holders
       try {
         if (kind == 0 || ids.empty()) {  // a new conversation's first turn
           if (running.size() < 3) {
-            const std::string id = "c" + std::to_string(next_id++);
+            const std::string id = "c" + std::to_string(ops.next_id++);
             auto prompt = random_tokens(1 + rng() % 10, vocab, rng);
             running[id] = start_turn(eng, cache, id, prompt);
             ids.push_back(id);
           }
-        } else if (kind == 1 && running.count(pick) == 0 && running.size() < 3) {  // next turn
-          std::vector<std::int32_t> prompt = cache.tokens(pick);
-          if (!prompt.empty() && rng() % 4 == 0) prompt.resize(rng() % prompt.size());  // diverge
-          const auto more = random_tokens(1 + rng() % 8, vocab, rng);
-          prompt.insert(prompt.end(), more.begin(), more.end());
-          if (static_cast<std::int32_t>(prompt.size()) + 8 < seq_len) running[pick] = start_turn(eng, cache, pick, prompt);
-        } else if (kind == 2 && running.count(pick)) {  // decode a few tokens (may reclaim)
-          const SeqId s = running[pick];
-          for (int i = 0; i < 1 + static_cast<int>(rng() % 6); ++i)
-            if (!eng.try_step().is_ok()) break;
-          (void)s;
-        } else if (kind == 3 && running.count(pick)) {  // finish the turn
-          const SeqId s = running[pick];
-          if (rng() % 2 == 0 && eng.position(s) + 1 < static_cast<std::int32_t>(eng.tokens(s).size()))
-            eng.prefill(s);
-          finish_turn(eng, cache, pick, s);
-          running.erase(pick);
-        } else if (kind == 4) {  // fork
-          cache.fork(pick, "c" + std::to_string(next_id));
-          ids.push_back("c" + std::to_string(next_id++));
-        } else if (kind == 5) {  // end
-          if (running.count(pick)) {
-            eng.free_sequence(running[pick]);
-            running.erase(pick);
-          }
-          cache.end(pick);
-          ids.erase(std::find(ids.begin(), ids.end(), pick));
-        } else if (kind == 6) {
-          cache.evict(pick);
-        } else if (kind == 7) {
-          cache.reclaim(static_cast<std::int32_t>(rng() % 8));
-        } else {
+        } else if (!ops.apply(kind, pick, eng, cache, rng)) {
           cache.evict_idle();
         }
       } catch (const Error& e) {

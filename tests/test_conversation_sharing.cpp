@@ -233,7 +233,6 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
   KVKIT_TEST_RNG(rng);
   auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
   const std::int32_t vocab = ck->config().vocab_size;
-  const std::int32_t seq_len = ck->config().seq_len;
   // A few shared "system prompts" (1 to 3 full pages) so conversations do share pages.
   std::vector<std::vector<std::int32_t>> systems;
   for (int i = 0; i < 3; ++i) systems.push_back(random_tokens(4 * (1 + i) + rng() % 3, vocab, rng));
@@ -242,13 +241,7 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
     Engine eng(ck, opts(4, 40));
     EngineConversationHost host(eng);
     store::MemoryBackend backend(8 << 20);
-    store::BlockStoreConfig sc;
-    sc.ns = "randomized-sharing";
-    sc.num_layers = ck->config().n_layers;
-    sc.page_size = 4;
-    sc.num_kv_heads = ck->config().n_kv_heads;
-    sc.head_dim = ck->config().head_dim();
-    store::BlockStore<float> bs(backend, sc);
+    store::BlockStore<float> bs(backend, kvkit::test::store_config(ck->config(), 4, "randomized-sharing"));
     double now = 0;
     Params p = sharing();
     p.idle_timeout_s = 100;
@@ -260,8 +253,9 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
     INFO("fork copies " << p.fork_copies_partial_page << " trim " << p.trim_under_pressure);
     ConversationCache<float> cache(host, p, [&] { return now; }, &bs);
     eng.set_reclaim([&](std::int32_t n) { return cache.reclaim(n); });
-    std::map<std::string, SeqId> running;
-    std::vector<std::string> ids;
+    kvkit::test::RandomLifecycle ops;
+    std::map<std::string, SeqId>& running = ops.running;
+    std::vector<std::string>& ids = ops.ids;
     // Start with two conversations on the longest system prompt: the second shares its
     // full pages (then the random operations take over).
     for (const char* id : {"w0", "w1"}) {
@@ -278,7 +272,6 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
       check_invariants(eng, cache);
     }
     CHECK(cache.metrics().shared_pages == 3);
-    int next_id = 0;
     for (int op = 0; op < 500; ++op) {
       now += static_cast<double>(rng() % 7);
       const int kind = static_cast<int>(rng() % 10);
@@ -292,7 +285,7 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
       try {
         if (kind == 0 || ids.empty()) {  // a new conversation, often with a shared prefix
           if (running.size() < 3) {
-            const std::string id = "c" + std::to_string(next_id++);
+            const std::string id = "c" + std::to_string(ops.next_id++);
             std::vector<std::int32_t> prompt;
             if (rng() % 4 != 0) prompt = systems[rng() % systems.size()];
             const auto more = random_tokens(1 + rng() % 6, vocab, rng);
@@ -300,39 +293,11 @@ TEST_CASE("randomized lifecycles with prefix sharing keep every refcount equal t
             running[id] = start_turn(eng, cache, id, prompt);
             ids.push_back(id);
           }
-        } else if (kind == 1 && running.count(pick) == 0 && running.size() < 3) {  // next turn
-          std::vector<std::int32_t> prompt = cache.tokens(pick);
-          if (!prompt.empty() && rng() % 4 == 0) prompt.resize(rng() % prompt.size());  // diverge
-          const auto more = random_tokens(1 + rng() % 8, vocab, rng);
-          prompt.insert(prompt.end(), more.begin(), more.end());
-          if (static_cast<std::int32_t>(prompt.size()) + 8 < seq_len) running[pick] = start_turn(eng, cache, pick, prompt);
-        } else if (kind == 2 && running.count(pick)) {  // decode a few tokens (may reclaim)
-          for (int i = 0; i < 1 + static_cast<int>(rng() % 6); ++i)
-            if (!eng.try_step().is_ok()) break;
-        } else if (kind == 3 && running.count(pick)) {  // finish the turn
-          const SeqId s = running[pick];
-          if (rng() % 2 == 0 && eng.position(s) + 1 < static_cast<std::int32_t>(eng.tokens(s).size()))
-            eng.prefill(s);
-          finish_turn(eng, cache, pick, s);
-          running.erase(pick);
-        } else if (kind == 4) {  // fork
-          cache.fork(pick, "c" + std::to_string(next_id));
-          ids.push_back("c" + std::to_string(next_id++));
-        } else if (kind == 5) {  // end
-          if (running.count(pick)) {
-            eng.free_sequence(running[pick]);
-            running.erase(pick);
-          }
-          cache.end(pick);
-          ids.erase(std::find(ids.begin(), ids.end(), pick));
-        } else if (kind == 6) {
-          cache.evict(pick);
-        } else if (kind == 7) {
-          cache.reclaim(static_cast<std::int32_t>(rng() % 8));
-        } else if (kind == 8 && rng() % 4 == 0) {
-          cache.release_unused();
-        } else {
-          cache.evict_idle();
+        } else if (!ops.apply(kind, pick, eng, cache, rng)) {
+          if (kind == 8 && rng() % 4 == 0)
+            cache.release_unused();
+          else
+            cache.evict_idle();
         }
       } catch (const Error& e) {
         INFO(e.what());  // refused calls (fork of a running turn, out of pages, ...) change nothing
