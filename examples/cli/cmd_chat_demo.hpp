@@ -299,7 +299,7 @@ inline Workload make_workload(const Options& o, const std::string& model_path,
   wl.user.assign(n, std::vector<std::vector<std::int32_t>>(T));
   if (!model_path.empty() && file_is_gguf(model_path)) {
     const engine::GgufFile g = engine::GgufFile::open(model_path);
-    *ck = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g));
+    *ck = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g, /*float_projections=*/false));
     wl.tok = std::make_shared<const engine::Tokenizer>(engine::Tokenizer::from_gguf(g));
     engine::ChatTemplate tmpl;
     if (g.has("tokenizer.chat_template")) tmpl = engine::ChatTemplate::from_gguf(g);

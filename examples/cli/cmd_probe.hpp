@@ -104,7 +104,7 @@ inline int run_probe(const ProbeOptions& o) {
   }
   if (gguf) {
     const engine::GgufFile g = engine::GgufFile::open(o.model);
-    ck = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g));
+    ck = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g, /*float_projections=*/false));
     const engine::Tokenizer tok = engine::Tokenizer::from_gguf(g);
     engine::ChatTemplate tmpl;
     if (g.has("tokenizer.chat_template")) tmpl = engine::ChatTemplate::from_gguf(g);

@@ -167,7 +167,7 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
     std::int32_t stop = -1;
     if (text) {
       const GgufFile g = GgufFile::open(o.model);
-      ck = std::make_shared<const Checkpoint>(load_gguf_checkpoint(g));
+      ck = std::make_shared<const Checkpoint>(load_gguf_checkpoint(g, /*float_projections=*/false));
       tok = std::make_shared<const Tokenizer>(Tokenizer::from_gguf(g));
       const ChatTemplate tmpl = g.has("tokenizer.chat_template") ? ChatTemplate::from_gguf(g) : ChatTemplate("");
       std::string doc = kStoreDemoDocument;

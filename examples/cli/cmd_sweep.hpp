@@ -84,7 +84,7 @@ inline SweepModel sweep_load(const SweepOptions& o) {
   std::string text = o.prompt_file.empty() ? o.prompt : sweep_read_file(o.prompt_file);
   if (!o.model.empty() && sweep_is_gguf(o.model)) {
     const engine::GgufFile g = engine::GgufFile::open(o.model);
-    m.ckpt = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g));
+    m.ckpt = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g, /*float_projections=*/false));
     m.tok = std::make_shared<const engine::Tokenizer>(engine::Tokenizer::from_gguf(g));
     m.name = o.model;
     if (o.chat) {
