@@ -6,21 +6,28 @@
 // with 8-bit activations as llama.cpp's CPU backend does (q8_1 blocks for Q4_1, q8_0 for
 // Q8_0: engine/quant_matvec.hpp; the checkpoint is loaded without float projections, as
 // the CLI does). llama.cpp (recorded with n_batch 512, flash attention off) also keeps K/V
-// in f16 and rounds queries and attention weights to f16, and sums in other orders. The
-// model amplifies any rounding difference: at the first generated position kvkit's own
-// portable and AVX-512 builds differ by ~1.5 % of the logits' spread, as much as either
-// differs from llama.cpp, and emulating llama.cpp's f16 K/V, queries and attention weights
-// or its float RoPE table did not move agreement out of that noise (620 to 625 / 640). So
-// near-ties flip; after a flip both keep following llama.cpp's tokens (teacher forcing),
-// so one flip costs one position. Measured with this test (deterministic for a given
-// build): 624 / 640 = 97.5 % agree in the default (portable) Release build; with a
-// token-by-token prompt instead of prefill 621 / 640 (portable), 625 / 640 (-march=native);
-// kvkit's portable and native builds agree with each other on 628 / 640 of the same
-// positions. The goal is 98 %. Every flip is a near-tie: kvkit's lead over
-// llama.cpp's token and llama.cpp's own top-1 margin are both below 0.5 logits. The test
-// requires >= 619 / 640 (the measured 624 less the spread of 5 positions seen across
-// builds and summation orders) and near-tie flips only, so a real divergence (RoPE, norm,
-// template, a quantized kernel) fails it. The prompts' token ids must match kvkit's
+// in f16 and rounds queries and attention weights to f16, and sums in other orders.
+//
+// Why 98 % is not the bar: the 8-bit activation quantization turns any rounding difference
+// into whole quantization steps (a value near a .5 boundary rounds the other way), and 30
+// layers spread them, so every implementation that is not bitwise identical to this
+// llama.cpp run lands at about the same distance from it. Measured on the 640 positions' full
+// logits (logit std 3.66): kvkit portable vs llama.cpp rms difference 0.288, kvkit
+// -march=native 0.283, kvkit portable vs native 0.263 (same source, only the compiled
+// rounding differs), and llama.cpp against itself 0.267 with the prompt fed one token at a time and
+// 0.246 with prompt + continuation in one batch (same file, machine and library; batched
+// matmuls take llamafile's kernels). Top-1 agreement with the recorded tokens follows the
+// noise: kvkit 624 / 640 (portable Release build), 625 (-march=native); llama.cpp itself
+// 619 (one token at a time) and 627 (one batch) -- llama.cpp does not reach 98 % (628)
+// against itself either. Every flip is a near-tie: kvkit's lead over llama.cpp's token and
+// llama.cpp's own top-1 margin are both below 0.5 logits. After a flip both keep following
+// llama.cpp's tokens (teacher forcing), so one flip costs one position.
+//
+// So the test holds kvkit to the floor llama.cpp sets for itself: at least as many agreeing
+// positions as the worse of llama.cpp's two self-agreements, which the recording script
+// measures and stores in the fixture ("llama_cpp_self_agreement": 619 / 640 today), and
+// near-tie flips only, so a real divergence (RoPE, norm, template, a quantized kernel)
+// fails it. The prompts' token ids must match kvkit's
 // tokenizer + ChatML template exactly. Skips with a message without the model file.
 
 #include <catch2/catch.hpp>
@@ -106,9 +113,21 @@ TEST_CASE("SmolLM2: kvkit's top-1 agrees with llama.cpp's greedy continuations",
     agree += here;
     total += static_cast<std::int64_t>(cont.size());
   }
+  // llama.cpp against itself, run two other ways (see the file comment): the floor.
+  std::int64_t floor = total;
+  std::ostringstream self;
+  for (const auto& [mode, counts] : fx.at("llama_cpp_self_agreement").items()) {
+    std::int64_t n = 0;
+    for (const auto& x : counts) n += x.get<std::int64_t>();
+    self << " " << mode << " " << n << "/" << total << ";";
+    floor = std::min(floor, n);
+  }
+  REQUIRE(fx.at("llama_cpp_self_agreement").size() == 2);
+  REQUIRE(floor < total);  // a floor of 640 would mean the recording went wrong
   WARN("llama.cpp agreement overall " << agree << "/" << total << "; flips: kvkit leads by at most "
-                                      << worst_lead << ", llama.cpp's margin at most " << worst_margin);
-  CHECK(agree * 640 >= total * 619);
+                                      << worst_lead << ", llama.cpp's margin at most " << worst_margin
+                                      << "; llama.cpp against itself:" << self.str());
+  CHECK(agree >= floor);
   CHECK(worst_lead < 0.5);
   CHECK(worst_margin < 0.5);
 }
