@@ -19,7 +19,14 @@
 // matmuls take llamafile's kernels). Top-1 agreement with the recorded tokens follows the
 // noise: kvkit 624 / 640 (portable Release build), 625 (-march=native); llama.cpp itself
 // 619 (one token at a time) and 627 (one batch) -- llama.cpp does not reach 98 % (628)
-// against itself either. Every flip is a near-tie: kvkit's lead over llama.cpp's token and
+// against itself either. A forward pass that calls llama.cpp's own CPU kernels for every
+// operation (scripts/llamacpp-parity/logits.cpp) reproduces llama.cpp's token-at-a-time
+// logits bitwise at all 640 positions; rounding just its RoPE rotation differently (separate
+// multiply and add instead of the fused multiply-add ggml's compiled code uses) puts it back
+// at rms 0.26 from llama.cpp and 628 / 640 -- agreement counts between 619 and 628 are draws
+// from the same noise. Only bitwise-identical arithmetic (ggml's op order, its exp
+// polynomial, its f16 roundings, and for this fixture's batched prompt llamafile's GEMM
+// order) would reach 640 / 640. Every flip is a near-tie: kvkit's lead over llama.cpp's token and
 // llama.cpp's own top-1 margin are both below 0.5 logits. After a flip both keep following
 // llama.cpp's tokens (teacher forcing), so one flip costs one position.
 //
