@@ -1,41 +1,41 @@
 // kvkit's SmolLM2-135M-Instruct against llama.cpp on the same GGUF file: teacher-forced on
 // llama.cpp's greedy continuations of five ChatML prompts x 128 tokens
-// (tests/fixtures/smollm2_greedy.json, recorded by scripts/record-greedy-fixtures.py),
-// kvkit's top-1 is compared with llama.cpp's at each of the 640 positions. The prompt runs
-// through Engine::prefill and decode through steps, both on the file's quantized blocks
-// with 8-bit activations as llama.cpp's CPU backend does (q8_1 blocks for Q4_1, q8_0 for
-// Q8_0: engine/quant_matvec.hpp; the checkpoint is loaded without float projections, as
-// the CLI does). llama.cpp (recorded with n_batch 512, flash attention off) also keeps K/V
-// in f16 and rounds queries and attention weights to f16, and sums in other orders.
+// (tests/fixtures/smollm2_greedy.json, recorded by scripts/record-greedy-fixtures.py), kvkit's
+// top-1 is compared with llama.cpp's at each of the 640 positions. The prompt runs through
+// Engine::prefill and decode through steps, both on the file's quantized blocks with 8-bit
+// activations as llama.cpp's CPU backend does (q8_1 blocks for Q4_1, q8_0 for Q8_0:
+// engine/quant_matvec.hpp; the checkpoint is loaded without float projections, as the CLI does).
+// llama.cpp (recorded with n_batch 512, flash attention off) also keeps K/V in f16 and rounds
+// queries and attention weights to f16, and sums in other orders.
 //
-// Why 98 % is not the bar: the 8-bit activation quantization turns any rounding difference
-// into whole quantization steps (a value near a .5 boundary rounds the other way), and 30
-// layers spread them, so every implementation that is not bitwise identical to this
-// llama.cpp run lands at about the same distance from it. Measured on the 640 positions' full
-// logits (logit std 3.66): kvkit portable vs llama.cpp rms difference 0.288, kvkit
-// -march=native 0.283, kvkit portable vs native 0.263 (same source, only the compiled
-// rounding differs), and llama.cpp against itself 0.267 with the prompt fed one token at a time and
-// 0.246 with prompt + continuation in one batch (same file, machine and library; batched
-// matmuls take llamafile's kernels). Top-1 agreement with the recorded tokens follows the
-// noise: kvkit 624 / 640 (portable Release build), 625 (-march=native); llama.cpp itself
-// 619 (one token at a time) and 627 (one batch) -- llama.cpp does not reach 98 % (628)
-// against itself either. A forward pass that calls llama.cpp's own CPU kernels for every
-// operation (scripts/llamacpp-parity/logits.cpp) reproduces llama.cpp's token-at-a-time
-// logits bitwise at all 640 positions; rounding just its RoPE rotation differently (separate
-// multiply and add instead of the fused multiply-add ggml's compiled code uses) puts it back
-// at rms 0.26 from llama.cpp and 628 / 640 -- agreement counts between 619 and 628 are draws
-// from the same noise. Only bitwise-identical arithmetic (ggml's op order, its exp
-// polynomial, its f16 roundings, and for this fixture's batched prompt llamafile's GEMM
-// order) would reach 640 / 640. Every flip is a near-tie: kvkit's lead over llama.cpp's token and
-// llama.cpp's own top-1 margin are both below 0.5 logits. After a flip both keep following
-// llama.cpp's tokens (teacher forcing), so one flip costs one position.
+// Why 98 % is not the bar: the 8-bit activation quantization turns any rounding difference into
+// whole quantization steps (a value near a .5 boundary rounds the other way), and 30 layers
+// spread them, so every implementation that is not bitwise identical to this llama.cpp run lands
+// at about the same distance from it. Measured on the 640 positions' full logits (logit std
+// 3.66): kvkit portable vs llama.cpp rms difference 0.288, kvkit -march=native 0.283, kvkit
+// portable vs native 0.263 (same source, only the compiled rounding differs), and llama.cpp
+// against itself 0.267 with the prompt fed one token at a time and 0.246 with prompt +
+// continuation in one batch (same file, machine and library; batched matmuls take llamafile's
+// kernels). Top-1 agreement with the recorded tokens follows the noise: kvkit 624 / 640
+// (portable Release build), 625 (-march=native); llama.cpp itself 619 (one token at a time) and
+// 627 (one batch) -- llama.cpp does not reach 98 % (628) against itself either. A forward pass
+// that calls llama.cpp's own CPU kernels for every operation
+// (scripts/llamacpp-parity/logits.cpp) reproduces llama.cpp's token-at-a-time logits bitwise at
+// all 640 positions; rounding just its RoPE rotation differently (separate multiply and add
+// instead of the fused multiply-add ggml's compiled code uses) puts it back at rms 0.26 from
+// llama.cpp and 628 / 640 -- agreement counts between 619 and 628 are draws from the same noise.
+// Only bitwise-identical arithmetic (ggml's op order, its exp polynomial, its f16 roundings, and
+// for this fixture's batched prompt llamafile's GEMM order) would reach 640 / 640. Every flip is
+// a near-tie: kvkit's lead over llama.cpp's token and llama.cpp's own top-1 margin are both
+// below 0.5 logits. After a flip both keep following llama.cpp's tokens (teacher forcing), so
+// one flip costs one position.
 //
 // So the test holds kvkit to the floor llama.cpp sets for itself: at least as many agreeing
-// positions as the worse of llama.cpp's two self-agreements, which the recording script
-// measures and stores in the fixture ("llama_cpp_self_agreement": 619 / 640 today), and
-// near-tie flips only, so a real divergence (RoPE, norm, template, a quantized kernel)
-// fails it. The prompts' token ids must match kvkit's
-// tokenizer + ChatML template exactly. Skips with a message without the model file.
+// positions as the worse of llama.cpp's two self-agreements, which the recording script measures
+// and stores in the fixture ("llama_cpp_self_agreement": 619 / 640 today), and near-tie flips
+// only, so a real divergence (RoPE, norm, template, a quantized kernel) fails it. The prompts'
+// token ids must match kvkit's tokenizer + ChatML template exactly. Skips with a message without
+// the model file.
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
