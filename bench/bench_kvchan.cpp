@@ -83,7 +83,7 @@ struct AttnSetup {
   std::vector<std::int32_t> o_indptr, o_indices, o_last;
   std::vector<std::int32_t> w_indptr, w_indices, w_last;  // window pages (in the full pool)
   std::vector<std::int32_t> ksel, vsel;
-  std::vector<float> q, out;
+  std::vector<float> q, out, kfill;  // kfill: [B, Hkv, D] key compensation means (0 on kept dims)
   PagedKVView<float> dense_view, window_view, old_view;
   DecodeAttentionParams dense{}, packed{};
   std::vector<unsigned char> ws_dense, ws_packed;
@@ -157,6 +157,12 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   s->packed.q_dim = D;
   s->q.resize(static_cast<std::size_t>(B) * H * s->G * D);
   for (float& x : s->q) x = nd(rng);
+  s->kfill.assign(static_cast<std::size_t>(B) * H * D, 0.f);
+  for (std::int32_t b = 0; b < B; ++b)
+    for (std::int32_t h = 0; h < H; ++h)
+      for (std::int32_t d = 0; d < D; ++d)
+        if (!std::binary_search(s->ksel.begin() + h * rk, s->ksel.begin() + (h + 1) * rk, d))
+          s->kfill[(static_cast<std::size_t>(b) * H + h) * D + d] = nd(rng);
   s->out.resize(s->q.size());
   const exec::Host ex{1};
   s->ws_dense.resize(paged_decode_attention_workspace_size(ex, s->dense_view, s->dense));
@@ -167,6 +173,7 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
 void BM_packed_vs_dense(benchmark::State& state) {
   const std::int32_t B = static_cast<std::int32_t>(state.range(0)), S = static_cast<std::int32_t>(state.range(1));
   const std::int32_t rk = static_cast<std::int32_t>(state.range(2)), rv = static_cast<std::int32_t>(state.range(3));
+  const bool kcomp = state.range(4) != 0;  // key compensation (lse bias) on
   auto s = make_setup(B, g_small ? 512 : S, rk, rv);
   const exec::Host ex{1};
   auto dense = [&] {
@@ -176,7 +183,8 @@ void BM_packed_vs_dense(benchmark::State& state) {
   };
   auto packed = [&] {
     const Status st = channel::channel_attention(ex, s->window_view, s->old_view, s->q.data(), s->out.data(), s->dense,
-                                                 s->packed, nullptr, Workspace{s->ws_packed.data(), s->ws_packed.size()});
+                                                 s->packed, nullptr, kcomp ? s->kfill.data() : nullptr,
+                                                 Workspace{s->ws_packed.data(), s->ws_packed.size()});
     if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
   };
   dense();
@@ -485,8 +493,11 @@ double quantile(std::vector<double> v, double q) {
 double bytes_saved(const Trace& t, std::int32_t r, std::int32_t W, channel::ChannelScore score, bool compensate) {
   const std::int64_t P = 16, n = t.n, per_tok_full = static_cast<std::int64_t>(t.L) * t.H * 2 * t.D * 4;
   const std::int64_t full = (n + P - 1) / P * P * per_tok_full;
-  const std::int64_t n_pack = n - W >= P ? (n - W) / P * P : 0;
-  const std::int64_t engine = (n - n_pack + P - 1) / P * P * per_tok_full;
+  const std::int64_t n_old = n - W >= P ? (n - W) / P * P : 0;
+  // --kvkit_sink: the first pages stay full width (counted as full-width bytes).
+  const std::int64_t sink = std::min<std::int64_t>(n_old, (g_sink + P - 1) / P * P);
+  const std::int64_t n_pack = n_old - sink;
+  const std::int64_t engine = ((n - n_old + P - 1) / P * P + sink) * per_tok_full;
   const std::int64_t packed = n_pack * t.L * t.H * (r + t.D) * 4;
   channel::ChannelParams p;
   p.r_k = r;
@@ -868,7 +879,16 @@ int main(int argc, char** argv) {
                                     "/rV" + std::to_string(rr.second))
                                        .c_str(),
                                    BM_packed_vs_dense)
-          ->Args({B, 4096, rr.first, rr.second})
+          ->Args({B, 4096, rr.first, rr.second, 0})
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+  // Key compensation on (the lse bias of channel_attention), at the K-only operating points.
+  for (std::int64_t B : {1, 8})
+    for (int rk : {48, 40, 32})
+      benchmark::RegisterBenchmark(("kvchan_attn_kcomp/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rk) + "/rV64")
+                                       .c_str(),
+                                   BM_packed_vs_dense)
+          ->Args({B, 4096, rk, 64, 1})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(rest.size());
