@@ -572,7 +572,7 @@ void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
           const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
           const auto e = value_errors(t, cal[ti][si].top(cal[ti][si].v, r), r, W, comp, vps);
           std::printf("| %s | %s | %s | %.0f%% | %d/%d | %.3g | %.3g |\n", t.name.c_str(),
-                      si == 0 ? "EMA |v|" : "Var[v]", comp ? "yes" : "no", pr * 100, r, t.D, quantile(e, 0.5),
+                      si == 0 ? "EMA abs(v)" : "Var[v]", comp ? "yes" : "no", pr * 100, r, t.D, quantile(e, 0.5),
                       quantile(e, 0.9));
           std::fflush(stdout);
         }
