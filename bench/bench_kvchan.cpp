@@ -15,9 +15,18 @@
 //    ChannelSelector's own statistics: EMA of |k| or ThinK, fed in token order) and the
 //    attention KL(dense || packed) is measured per (decode step, layer, query head) on the
 //    second half, with tokens older than the window W read through the rK selected dims.
-//    Printed: median / p90 KL at 25 / 50 / 75 % of the key dims pruned for EMA and ThinK,
-//    and the KV bytes saved (packed K pages, V full width, window, metadata counted as the
-//    policy's memory_bytes() does) at the largest pruning whose median KL <= 1e-3 / 1e-2.
+//    Printed: median / p90 KL at 25 / 37.5 / 50 / 62.5 / 75 % of the key dims pruned for
+//    the EMA, ThinK and Centered scores, each without and with key mean compensation (the
+//    packed score adds sum over dropped dims of q_d mu_d, mu_d the mean of k_d over the
+//    packed tokens), the KV bytes saved (packed K pages, V full width, window, metadata
+//    counted as the policy's memory_bytes() does) at the largest pruning whose median KL
+//    <= 1e-3 / 1e-2, and for V pruning (K full width) the output-level relative error
+//    ||o - o'|| / ||o|| (|v| EMA vs Var[v] selection, dropped dims 0 vs their mean): V
+//    pruning does not change the attention distribution, so it has no attention KL.
+//    At most 32 evenly spaced decode steps of the second half are evaluated.
+//    Options: --kvkit_window=W (32), --kvkit_steps=N decode steps (64), --kvkit_prompts=
+//    KIND of the suite (code; long_doc for the long documents), --kvkit_max_prompts=N (3),
+//    --kvkit_smol_only (skip the synthetic and stories260K traces).
 
 #include <benchmark/benchmark.h>
 
@@ -52,6 +61,9 @@ using namespace kvkit;
 namespace {
 
 bool g_small = false;
+bool g_smol_only = false;  // --kvkit_smol_only: SmolLM2 traces only
+std::int32_t g_sink = 0;
+bool g_basis_only = false;  // --kvkit_basis_only: only the offline basis tables   // --kvkit_sink=N: the first N tokens stay full width (not packed)
 
 // This thread's CPU time: the timed code is single-threaded (exec::Host{1}), and on a
 // shared, overloaded machine wall time mostly measures waiting for a core.
@@ -71,7 +83,7 @@ struct AttnSetup {
   std::vector<std::int32_t> o_indptr, o_indices, o_last;
   std::vector<std::int32_t> w_indptr, w_indices, w_last;  // window pages (in the full pool)
   std::vector<std::int32_t> ksel, vsel;
-  std::vector<float> q, out;
+  std::vector<float> q, out, kfill;  // kfill: [B, Hkv, D] key compensation means (0 on kept dims)
   PagedKVView<float> dense_view, window_view, old_view;
   DecodeAttentionParams dense{}, packed{};
   std::vector<unsigned char> ws_dense, ws_packed;
@@ -145,6 +157,12 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   s->packed.q_dim = D;
   s->q.resize(static_cast<std::size_t>(B) * H * s->G * D);
   for (float& x : s->q) x = nd(rng);
+  s->kfill.assign(static_cast<std::size_t>(B) * H * D, 0.f);
+  for (std::int32_t b = 0; b < B; ++b)
+    for (std::int32_t h = 0; h < H; ++h)
+      for (std::int32_t d = 0; d < D; ++d)
+        if (!std::binary_search(s->ksel.begin() + h * rk, s->ksel.begin() + (h + 1) * rk, d))
+          s->kfill[(static_cast<std::size_t>(b) * H + h) * D + d] = nd(rng);
   s->out.resize(s->q.size());
   const exec::Host ex{1};
   s->ws_dense.resize(paged_decode_attention_workspace_size(ex, s->dense_view, s->dense));
@@ -155,6 +173,7 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
 void BM_packed_vs_dense(benchmark::State& state) {
   const std::int32_t B = static_cast<std::int32_t>(state.range(0)), S = static_cast<std::int32_t>(state.range(1));
   const std::int32_t rk = static_cast<std::int32_t>(state.range(2)), rv = static_cast<std::int32_t>(state.range(3));
+  const bool kcomp = state.range(4) != 0;  // key compensation (lse bias) on
   auto s = make_setup(B, g_small ? 512 : S, rk, rv);
   const exec::Host ex{1};
   auto dense = [&] {
@@ -164,7 +183,8 @@ void BM_packed_vs_dense(benchmark::State& state) {
   };
   auto packed = [&] {
     const Status st = channel::channel_attention(ex, s->window_view, s->old_view, s->q.data(), s->out.data(), s->dense,
-                                                 s->packed, nullptr, Workspace{s->ws_packed.data(), s->ws_packed.size()});
+                                                 s->packed, nullptr, kcomp ? s->kfill.data() : nullptr,
+                                                 Workspace{s->ws_packed.data(), s->ws_packed.size()});
     if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
   };
   dense();
@@ -199,10 +219,14 @@ struct Trace {
   std::string name;
   std::int32_t L = 0, H = 0, G = 0, D = 0, n = 0;  // layers, kv heads, group, head dim, tokens
   std::vector<float> k;                           // [L, n, H, D]
+  std::vector<float> v;                           // [L, n, H, D] (engine traces; synthetic: empty)
   std::vector<std::int32_t> qpos;                 // [steps] position of each decode query
   std::vector<float> q;                           // [steps, L, H*G, D]
   const float* krow(std::int32_t l, std::int32_t t, std::int32_t h) const {
     return k.data() + ((static_cast<std::size_t>(l) * n + t) * H + h) * D;
+  }
+  const float* vrow(std::int32_t l, std::int32_t t, std::int32_t h) const {
+    return v.data() + ((static_cast<std::size_t>(l) * n + t) * H + h) * D;
   }
   const float* qrow(std::size_t s, std::int32_t l, std::int32_t hq) const {
     return q.data() + ((s * L + l) * static_cast<std::size_t>(H * G) + hq) * D;
@@ -263,48 +287,96 @@ Trace engine_trace(const std::string& name, std::shared_ptr<const engine::Checkp
   for (std::int32_t s = 0; s < steps; ++s) eng.step();
   t.n = eng.kv_len(id);
   t.k.resize(static_cast<std::size_t>(t.L) * t.n * t.H * t.D);
+  t.v.resize(t.k.size());
   const auto& views = eng.layer_views();
   for (std::int32_t l = 0; l < t.L; ++l)
     for (std::int32_t p = 0; p < t.n; ++p)
-      for (std::int32_t h = 0; h < t.H; ++h)
-        std::copy_n(views[static_cast<std::size_t>(l)].k_ptr(0, p, h), t.D,
-                    t.k.begin() + static_cast<std::ptrdiff_t>(((static_cast<std::size_t>(l) * t.n + p) * t.H + h) * t.D));
+      for (std::int32_t h = 0; h < t.H; ++h) {
+        const std::ptrdiff_t o = static_cast<std::ptrdiff_t>(((static_cast<std::size_t>(l) * t.n + p) * t.H + h) * t.D);
+        std::copy_n(views[static_cast<std::size_t>(l)].k_ptr(0, p, h), t.D, t.k.begin() + o);
+        std::copy_n(views[static_cast<std::size_t>(l)].v_ptr(0, p, h), t.D, t.v.begin() + o);
+      }
   return t;
 }
 #endif
 
-// The selection a ChannelSelector (score, r) holds after the calibration half.
-std::vector<std::int32_t> calibrate(const Trace& t, channel::ChannelScore score, std::int32_t r) {
+// The scores a ChannelSelector (score) holds after the calibration half: key scores and
+// value scores per (layer, kv head, dim); the sets of any r are their top r (ties to the
+// lower dim), as ChannelSelector::update() takes them.
+struct Calib {
+  std::int32_t L = 0, H = 0, D = 0;
+  std::vector<float> k, v;  // [L, H, D]
+  std::vector<std::int32_t> top(const std::vector<float>& sc, std::int32_t r) const {
+    std::vector<std::int32_t> out(static_cast<std::size_t>(L) * H * r);
+    for (std::int32_t i = 0; i < L * H; ++i)
+      channel::top_r_channels(sc.data() + static_cast<std::size_t>(i) * D, D, r, out.data() + static_cast<std::size_t>(i) * r);
+    return out;
+  }
+};
+
+Calib calibrate(const Trace& t, channel::ChannelScore score) {
   channel::ChannelParams p;
-  p.r_k = r;
+  p.r_k = t.D;
   p.score = score;
   p.mode = channel::ChannelMode::kProbe;
   channel::ChannelSelector sel(p, t.L, t.H, t.D, t.G);
   const std::size_t half = t.qpos.size() / 2;
   const std::int32_t upto = t.qpos[half > 0 ? half - 1 : 0];
-  std::vector<float> zero(static_cast<std::size_t>(t.D), 0.f);
   std::size_t s = 0;
   for (std::int32_t pos = 0; pos <= upto; ++pos) {
     for (std::int32_t l = 0; l < t.L; ++l)
-      for (std::int32_t h = 0; h < t.H; ++h) sel.observe_kv(l, h, t.krow(l, pos, h), t.krow(l, pos, h));
+      for (std::int32_t h = 0; h < t.H; ++h)
+        sel.observe_kv(l, h, t.krow(l, pos, h), t.v.empty() ? t.krow(l, pos, h) : t.vrow(l, pos, h));
     for (; s < half && t.qpos[s] == pos; ++s)
       for (std::int32_t l = 0; l < t.L; ++l)
         for (std::int32_t h = 0; h < t.H; ++h) sel.observe_q(l, h, t.qrow(s, l, h * t.G));
   }
-  sel.update();
-  std::vector<std::int32_t> out;
-  for (std::int32_t l = 0; l < t.L; ++l) out.insert(out.end(), sel.current_k(l), sel.current_k(l) + t.H * r);
+  Calib c;
+  c.L = t.L, c.H = t.H, c.D = t.D;
+  for (std::int32_t l = 0; l < t.L; ++l)
+    for (std::int32_t h = 0; h < t.H; ++h)
+      for (std::int32_t d = 0; d < t.D; ++d) {
+        c.k.push_back(sel.key_score(l, h, d));
+        c.v.push_back(sel.value_score(l, h, d));
+      }
+  return c;
+}
+
+// The evaluated decode steps: the second half, at most 32 of them, evenly spaced.
+std::vector<std::size_t> eval_steps(const Trace& t) {
+  const std::size_t a = t.qpos.size() / 2, n = t.qpos.size() - a, m = std::min<std::size_t>(n, 32);
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < m; ++i) out.push_back(a + i * n / m);
   return out;
 }
 
-// KL(dense || packed) of every (eval step, layer, query head).
+// Prefix sums over tokens of K (or V) per (layer, kv head, dim), float64: [L, n+1, H, D].
+std::vector<double> prefix_sums(const Trace& t, bool values) {
+  std::vector<double> ps(static_cast<std::size_t>(t.L) * (t.n + 1) * t.H * t.D, 0.0);
+  for (std::int32_t l = 0; l < t.L; ++l)
+    for (std::int32_t j = 0; j < t.n; ++j)
+      for (std::int32_t h = 0; h < t.H; ++h) {
+        const float* x = values ? t.vrow(l, j, h) : t.krow(l, j, h);
+        const std::size_t a = ((static_cast<std::size_t>(l) * (t.n + 1) + j) * t.H + h) * t.D;
+        const std::size_t b = a + static_cast<std::size_t>(t.H) * t.D;
+        for (std::int32_t d = 0; d < t.D; ++d) ps[b + d] = ps[a + d] + x[d];
+      }
+  return ps;
+}
+const double* prefix_at(const std::vector<double>& ps, const Trace& t, std::int32_t l, std::int32_t j, std::int32_t h) {
+  return ps.data() + ((static_cast<std::size_t>(l) * (t.n + 1) + j) * t.H + h) * t.D;
+}
+
+// KL(dense || packed) of every (eval step, layer, query head). Tokens older than the
+// window are scored on the r selected dims; with `compensate`, plus sum over the dropped
+// dims of q_d mu_d, mu_d the mean of k_d over those old tokens.
 std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r,
-                                  std::int32_t W) {
+                                  std::int32_t W, bool compensate, const std::vector<double>& kps) {
   std::vector<double> kls;
   const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
   std::vector<double> a, b;
   std::vector<char> mask(static_cast<std::size_t>(t.D));
-  for (std::size_t s = t.qpos.size() / 2; s < t.qpos.size(); ++s) {
+  for (std::size_t s : eval_steps(t)) {
     const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
     a.resize(static_cast<std::size_t>(n));
     b.resize(static_cast<std::size_t>(n));
@@ -315,6 +387,14 @@ std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t
         const std::int32_t* ks = sel.data() + (static_cast<std::size_t>(l) * t.H + h) * r;
         for (std::int32_t c = 0; c < r; ++c) mask[static_cast<std::size_t>(ks[c])] = 1;
         const float* q = t.qrow(s, l, hq);
+        double bias = 0;
+        const std::int32_t s0 = std::min(g_sink, old);  // packed tokens: [s0, old)
+        if (compensate && old > s0) {
+          const double* sum = prefix_at(kps, t, l, old, h);
+          const double* sum0 = prefix_at(kps, t, l, s0, h);
+          for (std::int32_t d = 0; d < t.D; ++d)
+            if (!mask[static_cast<std::size_t>(d)]) bias += static_cast<double>(q[d]) * (sum[d] - sum0[d]) / (old - s0);
+        }
         double ma = -1e300, mb = -1e300;
         for (std::int32_t j = 0; j < n; ++j) {
           const float* k = t.krow(l, j, h);
@@ -325,7 +405,7 @@ std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t
             part += mask[static_cast<std::size_t>(d)] ? x : 0.0;
           }
           a[static_cast<std::size_t>(j)] = full * scale;
-          b[static_cast<std::size_t>(j)] = (j < old ? part : full) * scale;
+          b[static_cast<std::size_t>(j)] = (j < old && j >= s0 ? part + bias : full) * scale;
           ma = std::max(ma, a[static_cast<std::size_t>(j)]);
           mb = std::max(mb, b[static_cast<std::size_t>(j)]);
         }
@@ -346,6 +426,61 @@ std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t
   return kls;
 }
 
+// Output-level effect of V pruning (K full width, exact attention weights): relative error
+// ||o - o'|| / ||o|| per (eval step, layer, query head), o' reading the old tokens' dropped
+// V dims as 0 or (compensate) as their mean over the old tokens.
+std::vector<double> value_errors(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r,
+                                 std::int32_t W, bool compensate, const std::vector<double>& vps) {
+  std::vector<double> errs;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
+  std::vector<double> a, o(static_cast<std::size_t>(t.D)), e(static_cast<std::size_t>(t.D));
+  std::vector<char> mask(static_cast<std::size_t>(t.D));
+  for (std::size_t s : eval_steps(t)) {
+    const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
+    a.resize(static_cast<std::size_t>(n));
+    for (std::int32_t l = 0; l < t.L; ++l)
+      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq) {
+        const std::int32_t h = hq / t.G;
+        std::fill(mask.begin(), mask.end(), 0);
+        const std::int32_t* vs = sel.data() + (static_cast<std::size_t>(l) * t.H + h) * r;
+        for (std::int32_t c = 0; c < r; ++c) mask[static_cast<std::size_t>(vs[c])] = 1;
+        const float* q = t.qrow(s, l, hq);
+        double ma = -1e300;
+        for (std::int32_t j = 0; j < n; ++j) {
+          const float* k = t.krow(l, j, h);
+          double x = 0;
+          for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
+          a[static_cast<std::size_t>(j)] = x * scale;
+          ma = std::max(ma, x * scale);
+        }
+        double z = 0;
+        for (std::int32_t j = 0; j < n; ++j) z += std::exp(a[static_cast<std::size_t>(j)] - ma);
+        std::fill(o.begin(), o.end(), 0.0);
+        std::fill(e.begin(), e.end(), 0.0);
+        double p_old = 0;
+        for (std::int32_t j = 0; j < n; ++j) {
+          const double pj = std::exp(a[static_cast<std::size_t>(j)] - ma) / z;
+          const float* v = t.vrow(l, j, h);
+          for (std::int32_t d = 0; d < t.D; ++d) {
+            o[static_cast<std::size_t>(d)] += pj * v[d];
+            if (j < old && !mask[static_cast<std::size_t>(d)]) e[static_cast<std::size_t>(d)] += pj * v[d];
+          }
+          if (j < old) p_old += pj;
+        }
+        double num = 0, den = 0;
+        const double* sum = old > 0 ? prefix_at(vps, t, l, old, h) : nullptr;
+        for (std::int32_t d = 0; d < t.D; ++d) {
+          double err = e[static_cast<std::size_t>(d)];  // o - o' on dropped dims
+          if (compensate && sum != nullptr && !mask[static_cast<std::size_t>(d)]) err -= p_old * sum[d] / old;
+          num += err * err;
+          den += o[static_cast<std::size_t>(d)] * o[static_cast<std::size_t>(d)];
+        }
+        errs.push_back(den > 0 ? std::sqrt(num / den) : 0.0);
+      }
+  }
+  return errs;
+}
+
 double quantile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -354,61 +489,333 @@ double quantile(std::vector<double> v, double q) {
 
 // Fraction of KV bytes saved at the trace's length with K packed to r dims (V full width),
 // as KvchanPolicy::memory_bytes() counts them (engine window pages + packed pages +
-// selector metadata + page lists), page size 16.
-double bytes_saved(const Trace& t, std::int32_t r, std::int32_t W) {
+// selector metadata + page lists + the compensation sums and means), page size 16.
+double bytes_saved(const Trace& t, std::int32_t r, std::int32_t W, channel::ChannelScore score, bool compensate) {
   const std::int64_t P = 16, n = t.n, per_tok_full = static_cast<std::int64_t>(t.L) * t.H * 2 * t.D * 4;
   const std::int64_t full = (n + P - 1) / P * P * per_tok_full;
-  const std::int64_t n_pack = n - W >= P ? (n - W) / P * P : 0;
-  const std::int64_t engine = (n - n_pack + P - 1) / P * P * per_tok_full;
+  const std::int64_t n_old = n - W >= P ? (n - W) / P * P : 0;
+  // --kvkit_sink: the first pages stay full width (counted as full-width bytes).
+  const std::int64_t sink = std::min<std::int64_t>(n_old, (g_sink + P - 1) / P * P);
+  const std::int64_t n_pack = n_old - sink;
+  const std::int64_t engine = ((n - n_old + P - 1) / P * P + sink) * per_tok_full;
   const std::int64_t packed = n_pack * t.L * t.H * (r + t.D) * 4;
   channel::ChannelParams p;
   p.r_k = r;
   p.window = static_cast<std::int32_t>(W);
+  p.score = score;
   const channel::ChannelSelector sel(p, t.L, t.H, t.D, t.G);
-  const std::int64_t meta = sel.metadata_bytes() + 4 * (n_pack / P);
+  std::int64_t meta = sel.metadata_bytes() + 4 * (n_pack / P);
+  if (compensate) meta += static_cast<std::int64_t>(t.L) * t.H * t.D * (8 + 4);  // k_sum (double) + k_mean (float)
   return 1.0 - static_cast<double>(engine + packed + meta) / static_cast<double>(full);
 }
 
-void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
-  std::printf("\n## attention KL(dense || packed), window W=%d, calibration on the first half of the decode steps\n\n", W);
-  std::printf("| trace | tokens | score | pruned | rK/D | median KL | p90 KL | KV bytes saved |\n|---|---|---|---|---|---|---|---|\n");
-  for (const Trace& t : traces)
-    for (channel::ChannelScore sc : {channel::ChannelScore::kEma, channel::ChannelScore::kThink})
-      for (double pr : {0.25, 0.5, 0.75}) {
-        const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
-        const auto kl = attention_kls(t, calibrate(t, sc, r), r, W);
-        std::printf("| %s | %d | %s | %.0f%% | %d/%d | %.3g | %.3g | %.1f%% |\n", t.name.c_str(), t.n,
-                    sc == channel::ChannelScore::kEma ? "EMA" : "ThinK", pr * 100, r, t.D, quantile(kl, 0.5),
-                    quantile(kl, 0.9), 100 * bytes_saved(t, r, W));
-        std::fflush(stdout);
-      }
-  std::printf("\n## KV bytes saved at the largest key pruning with median attention KL <= threshold (W=%d)\n\n", W);
-  std::printf("| trace | score | threshold | rK/D | median KL | KV bytes saved |\n|---|---|---|---|---|---|\n");
-  for (const Trace& t : traces)
-    for (channel::ChannelScore sc : {channel::ChannelScore::kEma, channel::ChannelScore::kThink})
-      for (double th : {1e-3, 1e-2}) {
-        std::int32_t best = t.D;
-        double best_kl = 0;
-        const std::int32_t step = std::max(1, t.D / 16);
-        for (std::int32_t r = t.D - step; r >= 1; r -= step) {
-          const double m = quantile(attention_kls(t, calibrate(t, sc, r), r, W), 0.5);
-          if (m > th) break;
-          best = r;
-          best_kl = m;
-        }
-        std::printf("| %s | %s | %.0e | %d/%d | %.3g | %.1f%% |\n", t.name.c_str(),
-                    sc == channel::ChannelScore::kEma ? "EMA" : "ThinK", th, best, t.D, best_kl,
-                    best < t.D ? 100 * bytes_saved(t, best, W) : 0.0);
-        std::fflush(stdout);
-      }
+const char* score_name(channel::ChannelScore s) {
+  return s == channel::ChannelScore::kEma ? "EMA" : s == channel::ChannelScore::kThink ? "ThinK" : "Centered";
 }
 
-int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps) {
+void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
+  const channel::ChannelScore scores[] = {channel::ChannelScore::kEma, channel::ChannelScore::kThink,
+                                          channel::ChannelScore::kCentered};
+  std::printf("\n## attention KL(dense || packed), window W=%d, calibration on the first half of the decode steps\n\n", W);
+  std::printf("| trace | tokens | score | K comp | pruned | rK/D | median KL | p90 KL | KV bytes saved |\n|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::vector<Calib>> cal;
+  for (const Trace& t : traces) {
+    cal.emplace_back();
+    for (channel::ChannelScore sc : scores) cal.back().push_back(calibrate(t, sc));
+  }
+  for (std::size_t ti = 0; ti < traces.size(); ++ti) {
+    const Trace& t = traces[ti];
+    const std::vector<double> kps = prefix_sums(t, false);
+    for (std::size_t si = 0; si < 3; ++si)
+      for (bool comp : {false, true})
+        for (double pr : {0.25, 0.375, 0.5, 0.625, 0.75}) {
+          const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+          const auto kl = attention_kls(t, cal[ti][si].top(cal[ti][si].k, r), r, W, comp, kps);
+          std::printf("| %s | %d | %s | %s | %.1f%% | %d/%d | %.3g | %.3g | %.1f%% |\n", t.name.c_str(), t.n,
+                      score_name(scores[si]), comp ? "yes" : "no", pr * 100, r, t.D, quantile(kl, 0.5),
+                      quantile(kl, 0.9), 100 * bytes_saved(t, r, W, scores[si], comp));
+          std::fflush(stdout);
+        }
+  }
+  std::printf("\n## KV bytes saved at the largest key pruning with median attention KL <= threshold (W=%d)\n\n", W);
+  std::printf("| trace | score | K comp | threshold | rK/D | median KL | KV bytes saved |\n|---|---|---|---|---|---|---|\n");
+  for (std::size_t ti = 0; ti < traces.size(); ++ti) {
+    const Trace& t = traces[ti];
+    const std::vector<double> kps = prefix_sums(t, false);
+    for (std::size_t si = 0; si < 3; ++si)
+      for (bool comp : {false, true})
+        for (double th : {1e-3, 1e-2}) {
+          std::int32_t best = t.D;
+          double best_kl = 0;
+          const std::int32_t step = std::max(1, t.D / 16);
+          for (std::int32_t r = t.D - step; r >= 1; r -= step) {
+            const double m = quantile(attention_kls(t, cal[ti][si].top(cal[ti][si].k, r), r, W, comp, kps), 0.5);
+            if (m > th) break;
+            best = r;
+            best_kl = m;
+          }
+          std::printf("| %s | %s | %s | %.0e | %d/%d | %.3g | %.1f%% |\n", t.name.c_str(), score_name(scores[si]),
+                      comp ? "yes" : "no", th, best, t.D, best_kl,
+                      best < t.D ? 100 * bytes_saved(t, best, W, scores[si], comp) : 0.0);
+          std::fflush(stdout);
+        }
+  }
+  std::printf("\n## V pruning, output level (K full width): median / p90 ||o - o'|| / ||o|| (W=%d)\n\n", W);
+  std::printf("| trace | V score | V comp | pruned | rV/D | median rel. err | p90 rel. err |\n|---|---|---|---|---|---|---|\n");
+  for (std::size_t ti = 0; ti < traces.size(); ++ti) {
+    const Trace& t = traces[ti];
+    if (t.v.empty()) continue;
+    const std::vector<double> vps = prefix_sums(t, true);
+    for (std::size_t si : {std::size_t{0}, std::size_t{2}})  // |v| EMA (EMA and ThinK) vs Var[v] (Centered)
+      for (bool comp : {false, true})
+        for (double pr : {0.25, 0.5, 0.75}) {
+          const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+          const auto e = value_errors(t, cal[ti][si].top(cal[ti][si].v, r), r, W, comp, vps);
+          std::printf("| %s | %s | %s | %.0f%% | %d/%d | %.3g | %.3g |\n", t.name.c_str(),
+                      si == 0 ? "EMA abs(v)" : "Var[v]", comp ? "yes" : "no", pr * 100, r, t.D, quantile(e, 0.5),
+                      quantile(e, 0.9));
+          std::fflush(stdout);
+        }
+  }
+}
+
+// ---- offline only: a per-(layer, kv head) basis instead of channel selection ----------
+// Keys are stored as r coordinates in a basis computed on the calibration half; the
+// packed score is q·mu + q^T S^-1 V V^T S (k - mu) (mu: the mean of k over the packed
+// tokens, as the compensation), so the score error of a packed token is
+// q^T A (k - mu), A = S^-1 (I - V V^T) S. "PCA": S = I, V = the top-r eigenvectors of the
+// centred key covariance. "qPCA": S = E[q q^T]^(1/2) (the group's calibration queries),
+// V = the top-r eigenvectors of S Cov[k] S, which minimises E[(q^T A (k - mu))^2] over
+// rank-r projections for independent q and k. The kernel would be the channel-restricted
+// one on rotated q (q~ = V^T S^-1 q) over r stored coordinates (V^T S (k - mu)).
+
+// Cyclic Jacobi: eigenvalues (descending) and eigenvectors (columns of vec) of symmetric a.
+void jacobi_eigen(std::vector<double> a, std::int32_t n, std::vector<double>& val, std::vector<double>& vec) {
+  vec.assign(static_cast<std::size_t>(n) * n, 0.0);
+  for (std::int32_t i = 0; i < n; ++i) vec[static_cast<std::size_t>(i) * n + i] = 1.0;
+  auto A = [&](std::int32_t i, std::int32_t j) -> double& { return a[static_cast<std::size_t>(i) * n + j]; };
+  for (int sweep = 0; sweep < 50; ++sweep) {
+    double off = 0, tot = 0;
+    for (std::int32_t i = 0; i < n; ++i)
+      for (std::int32_t j = 0; j < n; ++j) (i == j ? tot : off) += A(i, j) * A(i, j);
+    if (off <= 1e-22 * (tot + off)) break;
+    for (std::int32_t p = 0; p < n - 1; ++p)
+      for (std::int32_t q = p + 1; q < n; ++q) {
+        if (A(p, q) == 0.0) continue;
+        const double th = (A(q, q) - A(p, p)) / (2 * A(p, q));
+        const double t = (th >= 0 ? 1.0 : -1.0) / (std::fabs(th) + std::sqrt(th * th + 1));
+        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
+        for (std::int32_t k = 0; k < n; ++k) {
+          const double akp = A(k, p), akq = A(k, q);
+          A(k, p) = c * akp - s * akq;
+          A(k, q) = s * akp + c * akq;
+        }
+        for (std::int32_t k = 0; k < n; ++k) {
+          const double apk = A(p, k), aqk = A(q, k);
+          A(p, k) = c * apk - s * aqk;
+          A(q, k) = s * apk + c * aqk;
+        }
+        for (std::int32_t k = 0; k < n; ++k) {
+          double& vp = vec[static_cast<std::size_t>(k) * n + p];
+          double& vq = vec[static_cast<std::size_t>(k) * n + q];
+          const double x = vp, y = vq;
+          vp = c * x - s * y;
+          vq = s * x + c * y;
+        }
+      }
+  }
+  std::vector<std::int32_t> ord(static_cast<std::size_t>(n));
+  std::iota(ord.begin(), ord.end(), 0);
+  std::sort(ord.begin(), ord.end(), [&](std::int32_t x, std::int32_t y) { return A(x, x) > A(y, y); });
+  std::vector<double> v2(vec.size());
+  val.resize(static_cast<std::size_t>(n));
+  for (std::int32_t j = 0; j < n; ++j) {
+    val[static_cast<std::size_t>(j)] = A(ord[static_cast<std::size_t>(j)], ord[static_cast<std::size_t>(j)]);
+    for (std::int32_t i = 0; i < n; ++i)
+      v2[static_cast<std::size_t>(i) * n + j] = vec[static_cast<std::size_t>(i) * n + ord[static_cast<std::size_t>(j)]];
+  }
+  vec = v2;
+}
+
+// Per (layer, head): the eigen data of the basis ("S" and its inverse, V with all D columns).
+struct Basis {
+  std::vector<double> S, Si, V;  // [L*H][D*D]
+};
+
+Basis make_basis(const Trace& t, bool query_aware) {
+  Basis b;
+  const std::int32_t D = t.D;
+  const std::size_t DD = static_cast<std::size_t>(D) * D, half = t.qpos.size() / 2;
+  const std::int32_t upto = t.qpos[half > 0 ? half - 1 : 0];
+  for (std::int32_t l = 0; l < t.L; ++l)
+    for (std::int32_t h = 0; h < t.H; ++h) {
+      std::vector<double> mu(static_cast<std::size_t>(D), 0.0), ck(DD, 0.0), cq(DD, 0.0);
+      std::int32_t n = 0;
+      for (std::int32_t j = std::min(g_sink, upto); j <= upto; ++j, ++n) {
+        const float* k = t.krow(l, j, h);
+        for (std::int32_t d = 0; d < D; ++d) mu[static_cast<std::size_t>(d)] += k[d];
+      }
+      for (double& m : mu) m /= std::max(1, n);
+      for (std::int32_t j = std::min(g_sink, upto); j <= upto; ++j) {
+        const float* k = t.krow(l, j, h);
+        for (std::int32_t x = 0; x < D; ++x)
+          for (std::int32_t y = 0; y < D; ++y)
+            ck[static_cast<std::size_t>(x) * D + y] += (k[x] - mu[static_cast<std::size_t>(x)]) * (k[y] - mu[static_cast<std::size_t>(y)]) / n;
+      }
+      std::vector<double> S(DD, 0.0), Si(DD, 0.0);
+      if (query_aware) {
+        std::int32_t nq = 0;
+        for (std::size_t s = 0; s < half; ++s)
+          for (std::int32_t g = 0; g < t.G; ++g, ++nq) {
+            const float* q = t.qrow(s, l, h * t.G + g);
+            for (std::int32_t x = 0; x < D; ++x)
+              for (std::int32_t y = 0; y < D; ++y) cq[static_cast<std::size_t>(x) * D + y] += static_cast<double>(q[x]) * q[y];
+          }
+        double tr = 0;
+        for (std::int32_t x = 0; x < D; ++x) tr += cq[static_cast<std::size_t>(x) * D + x] /= 1.0;
+        std::vector<double> ev, U;
+        jacobi_eigen(cq, D, ev, U);
+        const double eps = 1e-6 * tr / D;
+        for (std::int32_t x = 0; x < D; ++x)
+          for (std::int32_t y = 0; y < D; ++y) {
+            double a = 0, c = 0;
+            for (std::int32_t j = 0; j < D; ++j) {
+              const double e = std::max(ev[static_cast<std::size_t>(j)], 0.0) + eps;
+              const double u = U[static_cast<std::size_t>(x) * D + j] * U[static_cast<std::size_t>(y) * D + j];
+              a += u * std::sqrt(e);
+              c += u / std::sqrt(e);
+            }
+            S[static_cast<std::size_t>(x) * D + y] = a;
+            Si[static_cast<std::size_t>(x) * D + y] = c;
+          }
+      } else {
+        for (std::int32_t x = 0; x < D; ++x) S[static_cast<std::size_t>(x) * D + x] = Si[static_cast<std::size_t>(x) * D + x] = 1.0;
+      }
+      // M = S ck S
+      std::vector<double> T(DD, 0.0), M(DD, 0.0);
+      for (std::int32_t x = 0; x < D; ++x)
+        for (std::int32_t y = 0; y < D; ++y)
+          for (std::int32_t j = 0; j < D; ++j) T[static_cast<std::size_t>(x) * D + y] += S[static_cast<std::size_t>(x) * D + j] * ck[static_cast<std::size_t>(j) * D + y];
+      for (std::int32_t x = 0; x < D; ++x)
+        for (std::int32_t y = 0; y < D; ++y)
+          for (std::int32_t j = 0; j < D; ++j) M[static_cast<std::size_t>(x) * D + y] += T[static_cast<std::size_t>(x) * D + j] * S[static_cast<std::size_t>(j) * D + y];
+      std::vector<double> ev, V;
+      jacobi_eigen(M, D, ev, V);
+      b.S.insert(b.S.end(), S.begin(), S.end());
+      b.Si.insert(b.Si.end(), Si.begin(), Si.end());
+      b.V.insert(b.V.end(), V.begin(), V.end());
+    }
+  return b;
+}
+
+// KL(dense || packed) with the old tokens (after the g_sink first ones) read through the
+// rank-r basis, mean-compensated.
+std::vector<double> basis_kls(const Trace& t, const Basis& bs, std::int32_t r, std::int32_t W,
+                              const std::vector<double>& kps) {
+  std::vector<double> kls;
+  const std::int32_t D = t.D;
+  const std::size_t DD = static_cast<std::size_t>(D) * D;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  // A^T per (l, h): A = Si (I - V_r V_r^T) S.
+  std::vector<double> At(static_cast<std::size_t>(t.L) * t.H * DD);
+  for (std::int32_t i = 0; i < t.L * t.H; ++i) {
+    const double* S = bs.S.data() + i * DD;
+    const double* Si = bs.Si.data() + i * DD;
+    const double* V = bs.V.data() + i * DD;
+    std::vector<double> P(DD, 0.0), T(DD, 0.0);  // P = I - V_r V_r^T
+    for (std::int32_t x = 0; x < D; ++x)
+      for (std::int32_t y = 0; y < D; ++y) {
+        double a = x == y ? 1.0 : 0.0;
+        for (std::int32_t j = 0; j < r; ++j) a -= V[static_cast<std::size_t>(x) * D + j] * V[static_cast<std::size_t>(y) * D + j];
+        P[static_cast<std::size_t>(x) * D + y] = a;
+      }
+    for (std::int32_t x = 0; x < D; ++x)
+      for (std::int32_t y = 0; y < D; ++y)
+        for (std::int32_t j = 0; j < D; ++j) T[static_cast<std::size_t>(x) * D + y] += P[static_cast<std::size_t>(x) * D + j] * S[static_cast<std::size_t>(j) * D + y];
+    double* a = At.data() + i * DD;
+    for (std::int32_t x = 0; x < D; ++x)
+      for (std::int32_t y = 0; y < D; ++y) {
+        double v = 0;
+        for (std::int32_t j = 0; j < D; ++j) v += Si[static_cast<std::size_t>(x) * D + j] * T[static_cast<std::size_t>(j) * D + y];
+        a[static_cast<std::size_t>(y) * D + x] = v;  // transposed
+      }
+  }
+  std::vector<double> a, b, qa(static_cast<std::size_t>(D)), mu(static_cast<std::size_t>(D));
+  for (std::size_t s : eval_steps(t)) {
+    const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
+    a.resize(static_cast<std::size_t>(n));
+    b.resize(static_cast<std::size_t>(n));
+    for (std::int32_t l = 0; l < t.L; ++l)
+      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq) {
+        const std::int32_t h = hq / t.G, s0 = std::min(g_sink, old);
+        const float* q = t.qrow(s, l, hq);
+        const double* A = At.data() + (static_cast<std::size_t>(l) * t.H + h) * DD;
+        for (std::int32_t x = 0; x < D; ++x) {
+          double v = 0;
+          for (std::int32_t y = 0; y < D; ++y) v += A[static_cast<std::size_t>(x) * D + y] * q[y];
+          qa[static_cast<std::size_t>(x)] = v;
+        }
+        if (old > s0) {
+          const double* s1 = prefix_at(kps, t, l, old, h);
+          const double* s2 = prefix_at(kps, t, l, s0, h);
+          for (std::int32_t d = 0; d < D; ++d) mu[static_cast<std::size_t>(d)] = (s1[d] - s2[d]) / (old - s0);
+        }
+        double ma = -1e300, mb = -1e300;
+        for (std::int32_t j = 0; j < n; ++j) {
+          const float* k = t.krow(l, j, h);
+          double full = 0, err = 0;
+          for (std::int32_t d = 0; d < D; ++d) full += static_cast<double>(q[d]) * k[d];
+          if (j >= s0 && j < old)
+            for (std::int32_t d = 0; d < D; ++d) err += qa[static_cast<std::size_t>(d)] * (k[d] - mu[static_cast<std::size_t>(d)]);
+          a[static_cast<std::size_t>(j)] = full * scale;
+          b[static_cast<std::size_t>(j)] = (full - err) * scale;
+          ma = std::max(ma, a[static_cast<std::size_t>(j)]);
+          mb = std::max(mb, b[static_cast<std::size_t>(j)]);
+        }
+        double za = 0, zb = 0;
+        for (std::int32_t j = 0; j < n; ++j) {
+          za += std::exp(a[static_cast<std::size_t>(j)] - ma);
+          zb += std::exp(b[static_cast<std::size_t>(j)] - mb);
+        }
+        const double la = std::log(za) + ma, lb = std::log(zb) + mb;
+        double kl = 0;
+        for (std::int32_t j = 0; j < n; ++j) {
+          const double pa = a[static_cast<std::size_t>(j)] - la, pb = b[static_cast<std::size_t>(j)] - lb;
+          kl += std::exp(pa) * (pa - pb);
+        }
+        kls.push_back(std::max(0.0, kl));
+      }
+  }
+  return kls;
+}
+
+void basis_tables(const std::vector<Trace>& traces, std::int32_t W) {
+  std::printf("\n## offline: per-head basis (mean-compensated), attention KL, W=%d, sink=%d\n\n", W, g_sink);
+  std::printf("| trace | tokens | basis | pruned | rK/D | median KL | p90 KL |\n|---|---|---|---|---|---|---|\n");
+  for (const Trace& t : traces) {
+    if (t.D < 16) continue;
+    const std::vector<double> kps = prefix_sums(t, false);
+    for (bool qa : {false, true}) {
+      const Basis bs = make_basis(t, qa);
+      for (double pr : {0.25, 0.375, 0.5, 0.625, 0.75}) {
+        const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+        const auto kl = basis_kls(t, bs, r, W, kps);
+        std::printf("| %s | %d | %s | %.1f%% | %d/%d | %.3g | %.3g |\n", t.name.c_str(), t.n, qa ? "qPCA" : "PCA",
+                    pr * 100, r, t.D, quantile(kl, 0.5), quantile(kl, 0.9));
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
+int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps, const std::string& kind,
+                 std::int32_t max_prompts) {
   std::vector<Trace> traces;
-  traces.push_back(synthetic_trace());
+  if (!g_smol_only) traces.push_back(synthetic_trace());
 #if defined(KVKIT_BENCH_KVCHAN_ENGINE)
   const std::string stories = models + "/stories260K.bin", smol = models + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (std::filesystem::exists(stories)) {
+  if (g_smol_only) {
+  } else if (std::filesystem::exists(stories)) {
     auto ck = std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(stories));
     traces.push_back(engine_trace("stories260K", ck, {engine::kBosToken}, g_small ? 64 : 400));
   } else {
@@ -422,8 +829,10 @@ int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps) 
     const engine::ChatTemplate tmpl = engine::ChatTemplate::from_gguf(g);
     std::ifstream f(suite);
     const nlohmann::json j = nlohmann::json::parse(f);
+    std::int32_t used = 0;
     for (const auto& p : j.at("prompts")) {
-      if (p.value("kind", "") != "code") continue;
+      if (p.value("kind", "") != kind || used >= max_prompts) continue;
+      ++used;
       const auto prompt = tmpl.encode(tok, {{"user", p.at("turns").at(0).get<std::string>()}}, true);
       traces.push_back(engine_trace("SmolLM2/" + p.at("id").get<std::string>(), ck, prompt, steps));
     }
@@ -433,8 +842,11 @@ int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps) 
 #else
   (void)models;
   (void)steps;
+  (void)kind;
+  (void)max_prompts;
 #endif
-  fidelity_tables(traces, W);
+  if (!g_basis_only) fidelity_tables(traces, W);
+  basis_tables(traces, W);
   return 0;
 }
 
@@ -443,25 +855,40 @@ int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps) 
 int main(int argc, char** argv) {
   bool fidelity = false;
   std::string models = "../shared/models";
-  std::int32_t W = 32, steps = 64;
+  std::int32_t W = 32, steps = 64, max_prompts = 3;
+  std::string kind = "code";
   std::vector<char*> rest{argv[0]};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--kvkit_small") g_small = true;
     else if (a == "--kvkit_fidelity") fidelity = true;
+    else if (a == "--kvkit_smol_only") g_smol_only = true;
+    else if (a == "--kvkit_basis_only") g_basis_only = true;
+    else if (a.rfind("--kvkit_sink=", 0) == 0) g_sink = std::stoi(a.substr(13));
     else if (a.rfind("--kvkit_models=", 0) == 0) models = a.substr(15);
     else if (a.rfind("--kvkit_window=", 0) == 0) W = std::stoi(a.substr(15));
     else if (a.rfind("--kvkit_steps=", 0) == 0) steps = std::stoi(a.substr(14));
+    else if (a.rfind("--kvkit_prompts=", 0) == 0) kind = a.substr(16);
+    else if (a.rfind("--kvkit_max_prompts=", 0) == 0) max_prompts = std::stoi(a.substr(20));
     else rest.push_back(argv[i]);
   }
-  if (fidelity) return run_fidelity(models, W, steps);
+  if (fidelity) return run_fidelity(models, W, steps, kind, max_prompts);
   for (std::int64_t B : {1, 8})
     for (auto rr : {std::pair<int, int>{32, 64}, {16, 64}, {32, 32}, {16, 32}, {48, 48}})
       benchmark::RegisterBenchmark(("kvchan_attn/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rr.first) +
                                     "/rV" + std::to_string(rr.second))
                                        .c_str(),
                                    BM_packed_vs_dense)
-          ->Args({B, 4096, rr.first, rr.second})
+          ->Args({B, 4096, rr.first, rr.second, 0})
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+  // Key compensation on (the lse bias of channel_attention), at the K-only operating points.
+  for (std::int64_t B : {1, 8})
+    for (int rk : {48, 40, 32})
+      benchmark::RegisterBenchmark(("kvchan_attn_kcomp/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rk) + "/rV64")
+                                       .c_str(),
+                                   BM_packed_vs_dense)
+          ->Args({B, 4096, rk, 64, 1})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(rest.size());

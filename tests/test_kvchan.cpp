@@ -129,9 +129,9 @@ TEMPLATE_TEST_CASE("pack/unpack round trip is exact on the selected dims", "[kvc
 namespace {
 
 // Packed attention vs a float64 reference over full-width rows whose dropped dims are
-// zero (K) and zero or `fill` (V).
+// zero or `kfill` (K, k_comp: key compensation as an lse bias) and zero or `fill` (V).
 template <class T>
-void check_packed_attention(bool compensation, std::mt19937_64& rng) {
+void check_packed_attention(bool compensation, std::mt19937_64& rng, bool k_comp = false) {
   const std::int32_t B = 3, Hkv = 2, G = 3, Hq = Hkv * G, D = 32, rk = 12, rv = 20, P = 8;
   const std::int32_t old_len[B] = {24, 0, 40}, win_len[B] = {11, 17, 1};
   // Full-width rows of every token: [b][t][h][D].
@@ -143,6 +143,7 @@ void check_packed_attention(bool compensation, std::mt19937_64& rng) {
     vsel.insert(vsel.end(), c.begin(), c.end());
   }
   std::vector<float> fill(static_cast<std::size_t>(B) * Hkv * D, 0.f);
+  std::vector<float> kfill(fill.size(), 0.f);
   PackedPagePool<T> pool(1, Hkv, rk, rv, P);
   std::vector<std::int32_t> o_indptr{0}, o_indices, o_last;
   // Window: a plain full-width pool.
@@ -181,13 +182,19 @@ void check_packed_attention(bool compensation, std::mt19937_64& rng) {
     // Reference rows of the old part: dropped dims zero / fill.
     for (std::int32_t h = 0; h < Hkv; ++h) {
       float* f = fill.data() + (static_cast<std::size_t>(b) * Hkv + h) * D;
+      float* kf = kfill.data() + (static_cast<std::size_t>(b) * Hkv + h) * D;
       if (compensation && old_len[b] > 0)
         for (std::int32_t d = 0; d < D; ++d)
           if (!std::binary_search(vsel.begin() + h * rv, vsel.begin() + (h + 1) * rv, d))
             f[d] = std::uniform_real_distribution<float>(-1.f, 1.f)(rng);
+      if (k_comp && old_len[b] > 0)  // 0 on kept dims, as the policy's means are
+        for (std::int32_t d = 0; d < D; ++d)
+          if (!std::binary_search(ksel.begin() + h * rk, ksel.begin() + (h + 1) * rk, d))
+            kf[d] = std::uniform_real_distribution<float>(-2.f, 2.f)(rng);
       for (std::int32_t t = 0; t < old_len[b]; ++t)
         for (std::int32_t d = 0; d < D; ++d) {
-          if (!std::binary_search(ksel.begin() + h * rk, ksel.begin() + (h + 1) * rk, d)) row(K[b], t, h)[d] = 0.f;
+          if (!std::binary_search(ksel.begin() + h * rk, ksel.begin() + (h + 1) * rk, d))
+            row(K[b], t, h)[d] = k_comp ? kf[d] : 0.f;
           if (!std::binary_search(vsel.begin() + h * rv, vsel.begin() + (h + 1) * rv, d))
             row(V[b], t, h)[d] = compensation ? f[d] : 0.f;
         }
@@ -222,7 +229,8 @@ void check_packed_attention(bool compensation, std::mt19937_64& rng) {
   std::vector<unsigned char> scratch(channel_attention_workspace_size(ex, wview, oview, dense, pk));
   std::vector<T> out(static_cast<std::size_t>(B) * Hq * D);
   REQUIRE(channel_attention(ex, wview, oview, q.data(), out.data(), dense, pk,
-                            compensation ? fill.data() : nullptr, Workspace{scratch.data(), scratch.size()})
+                            compensation ? fill.data() : nullptr, k_comp ? kfill.data() : nullptr,
+                            Workspace{scratch.data(), scratch.size()})
               .is_ok());
   // float64 reference over all tokens.
   double max_err = 0, max_ref = 0;
@@ -263,6 +271,10 @@ TEMPLATE_TEST_CASE("packed attention equals dense attention with the dropped dim
   KVKIT_TEST_RNG(rng);
   SECTION("zero fill") { check_packed_attention<TestType>(false, rng); }
   SECTION("mean compensation") { check_packed_attention<TestType>(true, rng); }
+  SECTION("key compensation: dropped K dims read as their mean (lse bias)") {
+    check_packed_attention<TestType>(false, rng, true);
+  }
+  SECTION("key and value compensation") { check_packed_attention<TestType>(true, rng, true); }
 }
 
 TEST_CASE("stability counters and back-off on scripted inputs", "[kvchan]") {
@@ -734,6 +746,213 @@ TEST_CASE("stable fraction: packing starts with part of the heads stable", "[kvc
   p.min_stable_fraction = 0.0;
   CHECK_THROWS_WITH(ChannelSelector(p, 1, 2, 4, 1), Catch::Matchers::Contains("stable fraction") &&
                                                         Catch::Matchers::Contains("got 0"));
+}
+
+TEST_CASE("centered score: E[q_d^2] Var[k_d] for keys, Var[v_d] for values, top r with ties to the lower dim",
+          "[kvchan]") {
+  KVKIT_TEST_RNG(rng);
+  ChannelParams p;
+  p.r_k = 4;
+  p.r_v = 3;
+  p.score = ChannelScore::kCentered;
+  p.think_window = 8;
+  const std::int32_t L = 2, H = 2, G = 2, D = 8, N = 50, NQ = 20;
+  ChannelSelector sel(p, L, H, D, G);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> uni(-3.f, 3.f), pos(0.3f, 2.f);
+  // Per (layer, head, dim): k = offset + spread * z (offset up to 3 and spread >= 0.3, so
+  // Var[k] >= 0.09 and E[k^2] <= ~40: the running-moment cancellation loses at most
+  // ~3 of the float64 digits). Head (1, 1) scripts a tie: dims 2 and 5 carry identical
+  // K and q streams, so their scores are bitwise equal.
+  std::vector<float> off(static_cast<std::size_t>(L * H * D)), spr(off.size()), voff(off.size()), vspr(off.size()),
+      qs(off.size());
+  for (std::size_t i = 0; i < off.size(); ++i) {
+    off[i] = uni(rng), spr[i] = pos(rng), voff[i] = uni(rng), vspr[i] = pos(rng), qs[i] = pos(rng);
+  }
+  const std::size_t t0 = static_cast<std::size_t>((1 * H + 1) * D);
+  const float ladder[D] = {0.5f, 4.f, 2.5f, 3.f, 1.f, 2.5f, 0.4f, 5.f};  // ranks 7, 1, 3, {2, 5}, 4, 0, 6
+  for (std::int32_t d = 0; d < D; ++d) off[t0 + d] = 0.f, spr[t0 + d] = ladder[d], qs[t0 + d] = 1.f;
+  std::vector<std::vector<double>> ks(off.size()), vs(off.size());  // streams, for the reference
+  std::vector<double> q2(off.size(), 0.0);
+  std::vector<float> k(static_cast<std::size_t>(D)), v(static_cast<std::size_t>(D)), q(static_cast<std::size_t>(G * D));
+  for (std::int32_t t = 0; t < N; ++t)
+    for (std::int32_t l = 0; l < L; ++l)
+      for (std::int32_t h = 0; h < H; ++h) {
+        const std::size_t o = static_cast<std::size_t>((l * H + h) * D);
+        const float z = nd(rng);  // shared by the dims of head (1, 1): the tie stays exact
+        for (std::int32_t d = 0; d < D; ++d) {
+          k[d] = o == t0 ? spr[o + d] * z : off[o + d] + spr[o + d] * nd(rng);
+          v[d] = voff[o + d] + vspr[o + d] * nd(rng);
+          ks[o + d].push_back(k[d]);
+          vs[o + d].push_back(v[d]);
+        }
+        sel.observe_kv(l, h, k.data(), v.data());
+      }
+  for (std::int32_t s = 0; s < NQ; ++s)
+    for (std::int32_t l = 0; l < L; ++l)
+      for (std::int32_t h = 0; h < H; ++h) {
+        const std::size_t o = static_cast<std::size_t>((l * H + h) * D);
+        const float z = nd(rng);
+        for (std::int32_t g = 0; g < G; ++g)
+          for (std::int32_t d = 0; d < D; ++d) q[g * D + d] = o == t0 ? z : qs[o + d] * nd(rng);
+        sel.observe_q(l, h, q.data());
+        for (std::int32_t d = 0; d < D; ++d) {
+          double sum = 0;
+          for (std::int32_t g = 0; g < G; ++g) sum += static_cast<double>(q[g * D + d]) * q[g * D + d];
+          q2[o + d] += (sum - q2[o + d]) / p.think_window;
+        }
+      }
+  auto var = [](const std::vector<double>& x) {
+    double m = 0, m2 = 0;
+    for (double a : x) m += a;
+    m /= static_cast<double>(x.size());
+    for (double a : x) m2 += (a - m) * (a - m);
+    return m2 / static_cast<double>(x.size());
+  };
+  sel.update();
+  for (std::int32_t l = 0; l < L; ++l)
+    for (std::int32_t h = 0; h < H; ++h) {
+      const std::size_t o = static_cast<std::size_t>((l * H + h) * D);
+      std::vector<float> want_k(static_cast<std::size_t>(D)), want_v(static_cast<std::size_t>(D));
+      for (std::int32_t d = 0; d < D; ++d) {
+        const double rk = q2[o + d] * var(ks[o + d]), rv = var(vs[o + d]);
+        // Float score: float q2 recursion (NQ steps, ~NQ * 2^-24 relative) times a float
+        // variance (2^-24 relative after the float64 moments): 1e-5 relative is > 10x that.
+        INFO("layer " << l << " head " << h << " dim " << d);
+        CHECK(std::fabs(sel.key_score(l, h, d) - rk) <= 1e-5 * rk);
+        CHECK(std::fabs(sel.value_score(l, h, d) - rv) <= 1e-5 * rv);
+        want_k[static_cast<std::size_t>(d)] = sel.key_score(l, h, d);
+        want_v[static_cast<std::size_t>(d)] = sel.value_score(l, h, d);
+      }
+      std::vector<std::int32_t> tk(4), tv(3);
+      top_r_channels(want_k.data(), D, 4, tk.data());
+      top_r_channels(want_v.data(), D, 3, tv.data());
+      CHECK(std::vector<std::int32_t>(sel.current_k(l) + h * 4, sel.current_k(l) + (h + 1) * 4) == tk);
+      CHECK(std::vector<std::int32_t>(sel.current_v(l) + h * 3, sel.current_v(l) + (h + 1) * 3) == tv);
+    }
+  // The scripted tie: dims 2 and 5 of head (1, 1) score the same; the lower dim wins.
+  REQUIRE(sel.key_score(1, 1, 2) == sel.key_score(1, 1, 5));
+  CHECK(std::vector<std::int32_t>(sel.current_k(1) + 4, sel.current_k(1) + 8) == std::vector<std::int32_t>{1, 2, 3, 7});
+  // Statistics are policy metadata: 4 float64 moments and a count per (layer, head, dim).
+  ChannelParams pe = p;
+  pe.score = ChannelScore::kThink;
+  const ChannelSelector think(pe, L, H, D, G);
+  CHECK(sel.metadata_bytes() - think.metadata_bytes() ==
+        static_cast<std::int64_t>(L * H * (4 * D * sizeof(double) + sizeof(std::int64_t)) - L * H * D * sizeof(float)));
+}
+
+TEST_CASE("engine: key compensation means are exact after pack, back-off and re-pack; bytes exact",
+          "[kvchan][engine]") {
+  ChannelParams p = small_params();
+  p.score = ChannelScore::kCentered;
+  p.k_compensation = true;
+  SECTION("keys only") {}
+  SECTION("keys and values compensated") { p.mean_compensation = true; }
+  auto eng = std::make_unique<Engine>(stories(), small_opts());
+  const engine::ModelConfig c = eng->config();
+  const std::int32_t L = c.n_layers, H = c.n_kv_heads, D = c.head_dim();
+  // Recorder, registered before the policy's hook: full-width K of every token by position
+  // (the policy has not packed this step's tokens yet when it runs).
+  std::vector<std::vector<float>> rows;  // [pos][L, H, D]
+  KvchanPolicy* pol = nullptr;
+  SeqId id = -1;
+  eng->add_step_hook([&](Engine& e, const engine::StepInfo&) {
+    const std::int32_t n_old = pol->old_tokens(id);
+    for (std::int32_t pos = static_cast<std::int32_t>(rows.size()); pos < n_old + e.kv_len(id); ++pos) {
+      REQUIRE(pos >= n_old);
+      std::vector<float> r;
+      for (std::int32_t l = 0; l < L; ++l)
+        for (std::int32_t h = 0; h < H; ++h) {
+          const float* k = e.layer_views()[static_cast<std::size_t>(l)].k_ptr(0, pos - n_old, h);
+          r.insert(r.end(), k, k + D);
+        }
+      rows.push_back(std::move(r));
+    }
+  });
+  KvchanOptions ko;
+  ko.params = p;
+  KvchanPolicy policy(ko);
+  pol = &policy;
+  policy.attach(*eng);
+  id = eng->add_sequence({engine::kBosToken, 10});
+  auto check_means = [&]() {
+    const std::int32_t n_old = policy.old_tokens(id);
+    REQUIRE(n_old > 0);
+    REQUIRE(policy.old_tokens_packed(id));
+    for (std::int32_t l = 0; l < L; ++l)
+      for (std::int32_t h = 0; h < H; ++h) {
+        const float* m = policy.k_mean(id, l, h);
+        REQUIRE(m != nullptr);
+        const std::int32_t* ks = policy.selector().packed_k(l) + h * p.r_k;
+        for (std::int32_t d = 0; d < D; ++d) {
+          double sum = 0;  // token order, float64: the policy's order, so equality is exact
+          for (std::int32_t t = 0; t < n_old; ++t) sum += rows[static_cast<std::size_t>(t)][static_cast<std::size_t>((l * H + h) * D + d)];
+          const bool kept = std::binary_search(ks, ks + p.r_k, d);
+          INFO("layer " << l << " head " << h << " dim " << d << " old tokens " << n_old);
+          CHECK(m[d] == (kept ? 0.f : static_cast<float>(sum / n_old)));
+        }
+      }
+  };
+  auto bytes = [&]() {
+    std::int64_t pages = 0;
+    pages += (eng->kv_len(id) + eng->options().page_size - 1) / eng->options().page_size;
+    CHECK(eng->pages_in_use() == pages);
+    const std::int64_t pools = policy.packed_pool().pages_in_use() * policy.packed_pool().page_bytes() +
+                               policy.full_pool().pages_in_use() * policy.full_pool().page_bytes();
+    CHECK(policy.memory_bytes() == eng->pages_bytes(eng->pages_in_use()) + pools + policy.metadata_bytes());
+    CHECK(eng->kv_bytes_in_use() == policy.memory_bytes());
+    CHECK(policy.old_tokens(id) + eng->kv_len(id) == eng->position(id));
+  };
+  int s = 0;
+  for (; s < 60 && !policy.old_tokens_packed(id); ++s) {
+    eng->step();
+    bytes();
+  }
+  REQUIRE(policy.old_tokens_packed(id));
+  for (int i = 0; i < 10; ++i) {  // more pages packed: the running sums keep up
+    eng->step();
+    bytes();
+  }
+  check_means();
+  // Back-off (no restore): old tokens to full width, dropped K dims = their mean.
+  const std::int32_t n_old = policy.old_tokens(id);
+  std::vector<std::vector<float>> means(static_cast<std::size_t>(L * H));
+  for (std::int32_t i = 0; i < L * H; ++i) {
+    const float* m = policy.k_mean(id, i / H, i % H);
+    means[static_cast<std::size_t>(i)].assign(m, m + D);
+  }
+  std::vector<std::int32_t> old_sets;
+  for (std::int32_t l = 0; l < L; ++l) old_sets.insert(old_sets.end(), policy.selector().packed_k(l), policy.selector().packed_k(l) + H * p.r_k);
+  policy.back_off();
+  CHECK_FALSE(policy.old_tokens_packed(id));
+  CHECK(policy.k_mean(id, 0, 0) == nullptr);
+  bytes();
+  std::vector<float> k(static_cast<std::size_t>(D)), v(static_cast<std::size_t>(D));
+  for (std::int32_t t = 0; t < n_old; ++t)
+    for (std::int32_t l = 0; l < L; ++l)
+      for (std::int32_t h = 0; h < H; ++h) {
+        policy.read_token(id, l, t, h, k.data(), v.data());
+        const std::int32_t* ks = old_sets.data() + (l * H + h) * p.r_k;
+        for (std::int32_t d = 0; d < D; ++d) {
+          const bool kept = std::binary_search(ks, ks + p.r_k, d);
+          const float want = kept ? rows[static_cast<std::size_t>(t)][static_cast<std::size_t>((l * H + h) * D + d)]
+                                  : means[static_cast<std::size_t>(l * H + h)][static_cast<std::size_t>(d)];
+          REQUIRE(k[static_cast<std::size_t>(d)] == want);
+        }
+        // The unpacked rows are what a re-pack sums: the reference follows them.
+        std::copy(k.begin(), k.end(), rows[static_cast<std::size_t>(t)].begin() + (l * H + h) * D);
+      }
+  for (s = 0; s < 60 && !policy.old_tokens_packed(id); ++s) {
+    eng->step();
+    bytes();
+  }
+  REQUIRE(policy.old_tokens_packed(id));
+  check_means();
+  for (int i = 0; i < 6; ++i) {
+    eng->step();
+    bytes();
+  }
+  check_means();
 }
 
 #if defined(KVKIT_CLI_PATH)

@@ -9,8 +9,9 @@
 //   --N-stable N     retained updates before packing (default 3)
 //   --no-k           keys stay full width (only values are compressed)
 //   --kvchan-mode M  dynamic (default), full or probe
-//   --kvchan-score S ema (default) or think
+//   --kvchan-score S ema (default), think or centered (E[q_d^2] Var[k_d]; V by Var[v_d])
 //   --kvchan-compensate   dropped V dims read as their mean over the packed tokens
+//   --kvchan-k-compensate dropped K dims read as their mean over the packed tokens (lse bias)
 //   --kvchan-max-kl X     fidelity KL threshold in nats (default 0.01)
 //   --kvchan-ema A        EMA decay of the statistics (default 0.95)
 //   --kvchan-retention X  retention of a stable update (default 0.9)
@@ -31,7 +32,7 @@ namespace cli {
 inline PolicyEntry kvchan_policy_entry() {
   struct Opts {
     std::int32_t window = 128, r_k = 0, r_v = 0, check_every = 16, t_update = 16, n_stable = 3;
-    bool no_k = false, compensate = false;
+    bool no_k = false, compensate = false, k_compensate = false;
     std::string mode = "dynamic", score = "ema", jsonl;
     double max_kl = 1e-2, ema = 0.95, retention = 0.9, stable_frac = 1.0;
   };
@@ -40,7 +41,7 @@ inline PolicyEntry kvchan_policy_entry() {
   e.names = {"kvchan"};
   e.option_names = {"--W",         "--rK",          "--rV",           "--check-every",
                     "--T-update",  "--N-stable",    "--no-k",         "--kvchan-mode",
-                    "--kvchan-score", "--kvchan-compensate", "--kvchan-max-kl", "--kvchan-ema",
+                    "--kvchan-score", "--kvchan-compensate", "--kvchan-k-compensate", "--kvchan-max-kl", "--kvchan-ema",
                     "--kvchan-retention", "--kvchan-stable-frac", "--jsonl"};
   e.add_options = [o](CLI::App& g) {
     g.add_option("--W", o->window, "kvchan: full-width window of recent tokens (default 128)")->type_name("N");
@@ -56,10 +57,13 @@ inline PolicyEntry kvchan_policy_entry() {
     g.add_option("--kvchan-mode", o->mode, "kvchan: dynamic (default), full or probe")
         ->type_name("M")
         ->check(CLI::IsMember({"dynamic", "full", "probe"}));
-    g.add_option("--kvchan-score", o->score, "kvchan: key importance, ema (default) or think")
+    g.add_option("--kvchan-score", o->score,
+                 "kvchan: key importance, ema (default), think or centered (E[q^2] Var[k]; V by Var[v])")
         ->type_name("S")
-        ->check(CLI::IsMember({"ema", "think"}));
+        ->check(CLI::IsMember({"ema", "think", "centered"}));
     g.add_flag("--kvchan-compensate", o->compensate, "kvchan: dropped V dims read as their mean (compensation)");
+    g.add_flag("--kvchan-k-compensate", o->k_compensate,
+               "kvchan: dropped K dims read as their mean over the packed tokens (a log-sum-exp bias)");
     g.add_option("--kvchan-max-kl", o->max_kl, "kvchan: fidelity check KL threshold in nats (default 0.01)")
         ->type_name("X");
     g.add_option("--kvchan-ema", o->ema, "kvchan: EMA decay of the |k|, |v| statistics, in [0, 1) (default 0.95)")
@@ -84,10 +88,13 @@ inline PolicyEntry kvchan_policy_entry() {
     p.n_stable = o->n_stable;
     p.compress_k = !o->no_k;
     p.mean_compensation = o->compensate;
+    p.k_compensation = o->k_compensate;
     p.mode = o->mode == "full" ? channel::ChannelMode::kFull
              : o->mode == "probe" ? channel::ChannelMode::kProbe
                                   : channel::ChannelMode::kDynamic;
-    p.score = o->score == "think" ? channel::ChannelScore::kThink : channel::ChannelScore::kEma;
+    p.score = o->score == "think"      ? channel::ChannelScore::kThink
+              : o->score == "centered" ? channel::ChannelScore::kCentered
+                                       : channel::ChannelScore::kEma;
     p.thresholds.max_kl = o->max_kl;
     p.ema_decay = static_cast<float>(o->ema);
     p.min_retention = o->retention;

@@ -18,7 +18,10 @@
 //
 // Attention (set_attention): for a batch with old tokens, channel_attention merges the
 // old part (channel-restricted kernel over the policy's pool) with the engine's window
-// (dense) by LSE; otherwise the dense kernel runs unchanged.
+// (dense) by LSE; otherwise the dense kernel runs unchanged. With k_compensation the
+// policy keeps, per sequence, the float64 running sum of every K dim over its packed tokens
+// (the pack step sees full-width K) and the mean of each dropped dim; channel_attention adds
+// sm_scale * q·mean to the old part's lse, i.e. the dropped K dims read as their mean.
 //
 // Control (step hook, after each step): observe the new tokens' K/V (and decode queries
 // for ThinK; tokens prefilled without a step are caught up from the views), tick the
@@ -27,7 +30,8 @@
 // sequence's processed tokens: full-width recomputation) and on failure unpack every
 // sequence's old tokens to full width (a full-width pool of the policy), overwrite them and
 // the window with the recomputation's K/V (restore_on_backoff, default; without it the
-// old tokens keep their selected dims, dropped K dims 0, dropped V dims 0 or their mean
+// old tokens keep their selected dims, dropped K dims 0 (their mean with k_compensation),
+// dropped V dims 0 or their mean
 // with compensation), reset the stability counters and probe again; when stable again the old tokens are re-packed
 // with the new sets. Then pack whatever left the window.
 //
@@ -162,8 +166,8 @@ class KvchanPolicy : public EnginePolicy {
     std::int64_t b = sel_ ? sel_->metadata_bytes() : 0;
     for (const auto& kv : seqs_)
       b += static_cast<std::int64_t>(sizeof(std::int32_t) * kv.second.pages.size() +
-                                     sizeof(float) * kv.second.v_mean.size() +
-                                     sizeof(double) * kv.second.v_sum.size());
+                                     sizeof(float) * (kv.second.v_mean.size() + kv.second.k_mean.size()) +
+                                     sizeof(double) * (kv.second.v_sum.size() + kv.second.k_sum.size()));
     return b;
   }
 
@@ -192,9 +196,16 @@ class KvchanPolicy : public EnginePolicy {
       return;
     }
     channel::unpack_channels(packed_->k_row(layer, page, slot, head), 0, sel_->packed_k(layer) + head * sel_->r_k(),
-                             sel_->r_k(), D, 1, nullptr, k, 0);
+                             sel_->r_k(), D, 1, k_fill_of(*st, layer, head), k, 0);
     channel::unpack_channels(packed_->v_row(layer, page, slot, head), 0, sel_->packed_v(layer) + head * sel_->r_v(),
                              sel_->r_v(), D, 1, v_fill_of(*st, layer, head), v, 0);
+  }
+
+  /// Key compensation of (id, layer, head): the mean over the packed tokens of each dropped
+  /// K dim, 0 on kept dims ([head_dim]); nullptr unless k_compensation and packed.
+  const float* k_mean(SeqId id, std::int32_t layer, std::int32_t head) const {
+    auto it = seqs_.find(id);
+    return it == seqs_.end() ? nullptr : k_fill_of(it->second, layer, head);
   }
 
   /// Backs off now, as a failed check does: every sequence's old tokens to full width,
@@ -212,6 +223,8 @@ class KvchanPolicy : public EnginePolicy {
     std::int64_t observed = 0;         // tokens seen by the selector
     std::vector<double> v_sum;         // [L, Hkv, D] sums of packed V rows (compensation)
     std::vector<float> v_mean;         // [L, Hkv, D] mean on dropped dims, 0 on kept dims
+    std::vector<double> k_sum;         // [L, Hkv, D] sums of packed K rows (k_compensation)
+    std::vector<float> k_mean;         // [L, Hkv, D] mean on dropped K dims, 0 on kept dims
   };
 
   SeqState* find(SeqId id) {
@@ -222,6 +235,12 @@ class KvchanPolicy : public EnginePolicy {
   const float* v_fill_of(const SeqState& st, std::int32_t layer, std::int32_t head) const {
     if (!opt_.params.mean_compensation || !st.packed || st.v_mean.empty()) return nullptr;
     return st.v_mean.data() +
+           (static_cast<std::size_t>(layer) * sel_->n_kv_heads() + static_cast<std::size_t>(head)) * sel_->head_dim();
+  }
+
+  const float* k_fill_of(const SeqState& st, std::int32_t layer, std::int32_t head) const {
+    if (!opt_.params.k_compensation || !st.packed || st.k_mean.empty()) return nullptr;
+    return st.k_mean.data() +
            (static_cast<std::size_t>(layer) * sel_->n_kv_heads() + static_cast<std::size_t>(head)) * sel_->head_dim();
   }
 
@@ -260,6 +279,7 @@ class KvchanPolicy : public EnginePolicy {
     indices_.clear();
     last_len_.clear();
     if (opt_.params.mean_compensation) fill_.assign(static_cast<std::size_t>(B) * H * D, 0.f);
+    if (opt_.params.k_compensation) kfill_.assign(static_cast<std::size_t>(B) * H * D, 0.f);
     for (std::int32_t b = 0; b < B; ++b) {
       const SeqState* st = nullptr;
       auto it = seqs_.find(call.seq_ids[b]);
@@ -272,6 +292,10 @@ class KvchanPolicy : public EnginePolicy {
           for (std::int32_t h = 0; h < H; ++h)
             std::copy_n(v_fill_of(*st, call.layer, h), D,
                         fill_.begin() + (static_cast<std::ptrdiff_t>(b) * H + h) * D);
+        if (opt_.params.k_compensation && st->packed && !st->k_mean.empty())
+          for (std::int32_t h = 0; h < H; ++h)
+            std::copy_n(k_fill_of(*st, call.layer, h), D,
+                        kfill_.begin() + (static_cast<std::ptrdiff_t>(b) * H + h) * D);
       }
       indptr_.push_back(static_cast<std::int32_t>(indices_.size()));
       last_len_.push_back(st != nullptr ? st->n_old - (static_cast<std::int32_t>(st->pages.size()) - 1) * P : 0);
@@ -287,7 +311,8 @@ class KvchanPolicy : public EnginePolicy {
       if (sel_->compresses_k() || sel_->compresses_v()) pk.q_dim = D;
     }
     const float* fill = opt_.params.mean_compensation && packed ? fill_.data() : nullptr;
-    return channel::channel_attention(call.exec, view, old, call.q, call.out, call.params, pk, fill,
+    const float* kfill = opt_.params.k_compensation && packed && sel_->compresses_k() ? kfill_.data() : nullptr;
+    return channel::channel_attention(call.exec, view, old, call.q, call.out, call.params, pk, fill, kfill,
                                       call.workspace);
   }
 
@@ -323,7 +348,7 @@ class KvchanPolicy : public EnginePolicy {
       fresh = std::max(fresh, total - st.observed);
       st.observed = std::max(st.observed, total);
     }
-    if (opt_.params.score == channel::ChannelScore::kThink)
+    if (opt_.params.score == channel::ChannelScore::kThink || opt_.params.score == channel::ChannelScore::kCentered)
       for (std::int32_t b = 0; b < info.batch; ++b)
         for (std::int32_t l = 0; l < c.n_layers; ++l)
           for (std::int32_t h = 0; h < H; ++h)
@@ -458,6 +483,7 @@ class KvchanPolicy : public EnginePolicy {
 
   // Mean of each dropped V dim over the packed tokens (0 on kept dims).
   void refresh_means(SeqState& st) {
+    if (opt_.params.k_compensation) refresh_k_means(st);
     if (!opt_.params.mean_compensation) return;
     const std::int32_t D = sel_->head_dim();
     st.v_mean.assign(st.v_sum.size(), 0.f);
@@ -470,6 +496,23 @@ class KvchanPolicy : public EnginePolicy {
         for (std::int32_t d = 0; d < D; ++d)
           if (!kept[static_cast<std::size_t>(d)])
             st.v_mean[vidx(l, h) + d] = static_cast<float>(st.v_sum[vidx(l, h) + d] / st.n_old);
+      }
+  }
+
+  // Mean of each dropped K dim over the packed tokens (0 on kept dims).
+  void refresh_k_means(SeqState& st) {
+    const std::int32_t D = sel_->head_dim();
+    st.k_mean.assign(st.k_sum.size(), 0.f);
+    if (st.n_old == 0 || !sel_->compresses_k()) return;
+    std::vector<char> kept(static_cast<std::size_t>(D));
+    for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
+      for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
+        std::fill(kept.begin(), kept.end(), 0);
+        const std::int32_t* s = sel_->packed_k(l) + h * sel_->r_k();
+        for (std::int32_t c = 0; c < sel_->r_k(); ++c) kept[static_cast<std::size_t>(s[c])] = 1;
+        for (std::int32_t d = 0; d < D; ++d)
+          if (!kept[static_cast<std::size_t>(d)])
+            st.k_mean[vidx(l, h) + d] = static_cast<float>(st.k_sum[vidx(l, h) + d] / st.n_old);
       }
   }
 
@@ -487,12 +530,15 @@ class KvchanPolicy : public EnginePolicy {
                                packed_->v_row(l, page, slot, h), 0);
         if (opt_.params.mean_compensation)
           for (std::int32_t d = 0; d < D; ++d) st.v_sum[vidx(l, h) + d] += v[d];
+        if (opt_.params.k_compensation)
+          for (std::int32_t d = 0; d < D; ++d) st.k_sum[vidx(l, h) + d] += k[d];
       }
   }
 
   void ensure_sums(SeqState& st) {
-    if (opt_.params.mean_compensation && st.v_sum.empty())
-      st.v_sum.assign(static_cast<std::size_t>(sel_->n_layers()) * sel_->n_kv_heads() * sel_->head_dim(), 0.0);
+    const std::size_t n = static_cast<std::size_t>(sel_->n_layers()) * sel_->n_kv_heads() * sel_->head_dim();
+    if (opt_.params.mean_compensation && st.v_sum.empty()) st.v_sum.assign(n, 0.0);
+    if (opt_.params.k_compensation && st.k_sum.empty()) st.k_sum.assign(n, 0.0);
   }
 
   // Old tokens in the full-width pool -> packed with the current (frozen) sets.
@@ -500,6 +546,7 @@ class KvchanPolicy : public EnginePolicy {
     const std::int32_t P = packed_->page_size();
     ensure_sums(st);
     std::fill(st.v_sum.begin(), st.v_sum.end(), 0.0);
+    std::fill(st.k_sum.begin(), st.k_sum.end(), 0.0);
     for (std::size_t i = 0; i < st.pages.size(); ++i) {
       const std::int32_t src = st.pages[i], dst = packed_->allocate();
       const std::int32_t n = std::min(P, st.n_old - static_cast<std::int32_t>(i) * P);
@@ -513,7 +560,7 @@ class KvchanPolicy : public EnginePolicy {
     refresh_means(st);
   }
 
-  // Packed old tokens -> full width (dropped K dims 0; dropped V dims 0 or the mean).
+  // Packed old tokens -> full width (dropped K dims 0 or their mean; V dims 0 or the mean).
   void unpack(SeqState& st) {
     if (!st.packed) return;
     const std::int32_t P = packed_->page_size(), D = sel_->head_dim();
@@ -524,7 +571,7 @@ class KvchanPolicy : public EnginePolicy {
         for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
           for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
             channel::unpack_channels(packed_->k_row(l, src, s, h), 0, sel_->packed_k(l) + h * sel_->r_k(),
-                                     sel_->r_k(), D, 1, nullptr, full_->k_row(l, dst, s, h), 0);
+                                     sel_->r_k(), D, 1, k_fill_of(st, l, h), full_->k_row(l, dst, s, h), 0);
             channel::unpack_channels(packed_->v_row(l, src, s, h), 0, sel_->packed_v(l) + h * sel_->r_v(),
                                      sel_->r_v(), D, 1, v_fill_of(st, l, h), full_->v_row(l, dst, s, h), 0);
           }
@@ -534,6 +581,8 @@ class KvchanPolicy : public EnginePolicy {
     st.packed = false;
     st.v_sum.clear();
     st.v_mean.clear();
+    st.k_sum.clear();
+    st.k_mean.clear();
   }
 
   // Moves the engine's tokens older than the window (whole pages) into packed pages and
@@ -588,7 +637,7 @@ class KvchanPolicy : public EnginePolicy {
   std::unique_ptr<std::ofstream> jsonl_;
   // Attention scratch (grows to the largest batch once).
   std::vector<std::int32_t> indptr_, indices_, last_len_;
-  std::vector<float> fill_;
+  std::vector<float> fill_, kfill_;
 };
 
 }  // namespace engine

@@ -8,6 +8,16 @@
 //                 query heads averaged over a window of about `think_window` decode queries
 //                 (an EMA with weight 1/think_window: no per-query ring to store), ||K_d||^2 an
 //                 EMA of k_d^2 (option; values always use ema_v).
+//        Centered centered_k[d] = E[q_d^2] * Var_t[k_d], E[q_d^2] the ThinK query statistic,
+//                 Var_t[k_d] over every token observed so far (running mean of k_d and of
+//                 k_d^2, not decayed: the compensation below uses the mean over all packed
+//                 tokens, so the spread that matters is the spread around that mean); values
+//                 then rank by Var_t[v_d] (the output error of reading a dropped dim as its
+//                 mean is sum_t p_t (v_td - mu_d)). Why: softmax is shift-invariant per
+//                 query, so a dropped key dim read as the constant mu_d changes the scores
+//                 of the packed tokens by q_d (k_td - mu_d), whose expected square is
+//                 E[q_d^2] Var_t[k_d]: large but constant channels (low-frequency RoPE
+//                 pairs, bias channels) cost nothing once compensated.
 //   2. Selection: every `t_update` tokens the top-rK (keys) / top-rV (values) dims per
 //      (layer, head); ties go to the lower dim index; sets are stored ascending.
 //      retention = |S_prev ∩ S_new| / r. A head is stable after `n_stable` consecutive
@@ -21,7 +31,11 @@
 //      (pack_channels); unpacking scatters them back, zero on the dropped dims (or, for V
 //      with mean compensation, the mean of the dropped dim over the packed tokens, which
 //      makes the attention output of the packed part exactly what the zero-filled V plus
-//      the compensation term gives).
+//      the compensation term gives). Key compensation (k_compensation): the packed score
+//      is sum_sel q_d k_td + sum_dropped q_d mu_d, mu_d the mean of k_d over the packed
+//      tokens of the (layer, kv head); the second term is the same for every packed token,
+//      so it is added to the packed part's log-sum-exp (sm_scale times it, natural log)
+//      before the merge with the window, and the kernel stays channel-restricted.
 //   4. Fidelity guard: the engine's next-token logits vs a full-width baseline: top-k
 //      overlap, margin drift (|(l1 - l2)_policy - (l1 - l2)_baseline| of the baseline's top
 //      two tokens), KL(baseline || policy) in nats. A failure backs off: everything is
@@ -46,7 +60,10 @@ namespace kvkit {
 namespace channel {
 
 /// Which importance score ranks the key dims (values always use the |v| EMA).
-enum class ChannelScore : unsigned char { kEma = 0, kThink = 1 };
+enum class ChannelScore : unsigned char { kEma = 0, kThink = 1, kCentered = 2 };
+inline const char* to_string(ChannelScore s) {
+  return s == ChannelScore::kEma ? "ema" : s == ChannelScore::kThink ? "think" : "centered";
+}
 /// full: never pack (dense cache); dynamic: probe, pack when stable, guard, back off;
 /// probe: importance statistics only (never packs).
 enum class ChannelMode : unsigned char { kFull = 0, kDynamic = 1, kProbe = 2 };
@@ -80,6 +97,7 @@ struct ChannelParams {
   std::int32_t think_window = 32;   // ThinK ||Q_d|| averages about this many decode queries
   bool compress_k = true;           // false: keys stay full width (--no-k)
   bool mean_compensation = false;   // dropped V dims read as their mean over packed tokens
+  bool k_compensation = false;      // dropped K dims read as their mean (an LSE bias per query)
   std::int32_t check_every = 16;    // tokens between fidelity checks while packed (0: never)
   FidelityThresholds thresholds;
   ChannelMode mode = ChannelMode::kDynamic;
@@ -240,6 +258,11 @@ class ChannelSelector {
       ema_k2_.assign(hd, 0.f);
       q2_.assign(hd, 0.f);
     }
+    if (p_.score == ChannelScore::kCentered) {  // running moments and query statistics
+      mom_.assign(4 * hd, 0.0);
+      n_obs_.assign(pairs(), 0);
+      q2_.assign(hd, 0.f);
+    }
     sel_k_.assign(pairs() * static_cast<std::size_t>(rk_), 0);
     sel_v_.assign(pairs() * static_cast<std::size_t>(rv_), 0);
     for (std::size_t i = 0; i < pairs(); ++i) {
@@ -276,12 +299,23 @@ class ChannelSelector {
     }
     if (!ema_k2_.empty())
       for (std::int32_t d = 0; d < dim_; ++d) ema_k2_[o + d] = a * ema_k2_[o + d] + b * k[d] * k[d];
+    if (!mom_.empty()) {  // running means of k, k^2, v, v^2 over every observed token
+      const double w = 1.0 / static_cast<double>(++n_obs_[pair(layer, head)]);
+      double* m = mom_.data() + 4 * o;
+      for (std::int32_t d = 0; d < dim_; ++d) {
+        const double kd = k[d], vd = v[d];
+        m[d] += w * (kd - m[d]);
+        m[dim_ + d] += w * (kd * kd - m[dim_ + d]);
+        m[2 * dim_ + d] += w * (vd - m[2 * dim_ + d]);
+        m[3 * dim_ + d] += w * (vd * vd - m[3 * dim_ + d]);
+      }
+    }
   }
 
   /// One decode step's queries of the group of (layer, kv head), for ThinK's ||Q_d||.
   void observe_q(std::int32_t layer, std::int32_t head,
                  const float* q) {  // [group, head_dim]
-    if (p_.score != ChannelScore::kThink) return;
+    if (q2_.empty()) return;  // ThinK and Centered only
     const std::size_t o = at(layer, head);
     const float w = 1.f / static_cast<float>(p_.think_window);
     for (std::int32_t d = 0; d < dim_; ++d) {
@@ -295,7 +329,20 @@ class ChannelSelector {
   float key_score(std::int32_t layer, std::int32_t head, std::int32_t d) const {
     const std::size_t o = at(layer, head) + static_cast<std::size_t>(d);
     if (p_.score == ChannelScore::kEma) return ema_k_[o];
+    if (p_.score == ChannelScore::kCentered) return q2_[o] * variance(layer, head, 0, d);
     return std::sqrt(q2_[o]) * std::sqrt(ema_k2_[o]);
+  }
+  /// Value score of dim d: Var_t[v_d] under kCentered, else the |v| EMA.
+  float value_score(std::int32_t layer, std::int32_t head, std::int32_t d) const {
+    if (p_.score == ChannelScore::kCentered) return variance(layer, head, 2, d);
+    return ema_v_[at(layer, head) + static_cast<std::size_t>(d)];
+  }
+  /// Running variance (E[x^2] - E[x]^2, clamped at 0) of k (which = 0) or v (which = 2)
+  /// dim d over the observed tokens; kCentered only.
+  float variance(std::int32_t layer, std::int32_t head, int which, std::int32_t d) const {
+    const double* m = mom_.data() + 4 * at(layer, head) + static_cast<std::size_t>(which) * dim_;
+    const double mean = m[d];
+    return static_cast<float>(std::max(0.0, m[dim_ + d] - mean * mean));
   }
   const float* ema_k(std::int32_t layer, std::int32_t head) const { return ema_k_.data() + at(layer, head); }
   const float* ema_v(std::int32_t layer, std::int32_t head) const { return ema_v_.data() + at(layer, head); }
@@ -316,14 +363,17 @@ class ChannelSelector {
   /// sets, counters, stability. Returns true on the transition to kPacked (dynamic mode).
   bool update() {
     ++updates_;
-    std::vector<float> sc(static_cast<std::size_t>(dim_));
+    std::vector<float> sc(static_cast<std::size_t>(dim_)), sv(static_cast<std::size_t>(dim_));
     std::vector<std::int32_t> nk(static_cast<std::size_t>(rk_)), nv(static_cast<std::size_t>(rv_));
     for (std::int32_t l = 0; l < layers_; ++l)
       for (std::int32_t h = 0; h < heads_; ++h) {
         const std::size_t i = pair(l, h);
-        for (std::int32_t d = 0; d < dim_; ++d) sc[static_cast<std::size_t>(d)] = key_score(l, h, d);
+        for (std::int32_t d = 0; d < dim_; ++d) {
+          sc[static_cast<std::size_t>(d)] = key_score(l, h, d);
+          sv[static_cast<std::size_t>(d)] = value_score(l, h, d);
+        }
         top_r_channels(sc.data(), dim_, rk_, nk.data());
-        top_r_channels(ema_v(l, h), dim_, rv_, nv.data());
+        top_r_channels(sv.data(), dim_, rv_, nv.data());
         std::int32_t* ok = sel_k_.data() + i * rk_;
         std::int32_t* ov = sel_v_.data() + i * rv_;
         const double rtk = compresses_k() ? retention(ok, nk.data(), rk_) : 1.0;
@@ -393,7 +443,8 @@ class ChannelSelector {
   std::int64_t metadata_bytes() const {
     return static_cast<std::int64_t>(
         sizeof(float) * (ema_k_.size() + ema_v_.size() + ema_k2_.size() + q2_.size()) +
-        sizeof(double) * (last_ret_k_.size() + last_ret_v_.size()) +
+        sizeof(double) * (last_ret_k_.size() + last_ret_v_.size() + mom_.size()) +
+        sizeof(std::int64_t) * n_obs_.size() +
         sizeof(std::int32_t) * (sel_k_.size() + sel_v_.size() + frozen_k_.size() + frozen_v_.size() +
                                 counter_.size()));
   }
@@ -408,7 +459,9 @@ class ChannelSelector {
   ChannelParams p_;
   std::int32_t layers_, heads_, dim_, group_, rk_ = 0, rv_ = 0;
   std::vector<float> ema_k_, ema_v_, ema_k2_;  // [L, Hkv, D]
-  std::vector<float> q2_;                      // [L, Hkv, D] ThinK: windowed mean of sum_g q_d^2
+  std::vector<float> q2_;                      // [L, Hkv, D] ThinK/Centered: windowed mean of sum_g q_d^2
+  std::vector<double> mom_;                    // [L, Hkv, 4, D] Centered: means of k, k^2, v, v^2
+  std::vector<std::int64_t> n_obs_;            // [L, Hkv] Centered: tokens observed
   std::vector<std::int32_t> sel_k_, sel_v_;        // [L, Hkv, r] latest sets
   std::vector<std::int32_t> frozen_k_, frozen_v_;  // [L, Hkv, r] sets of packed pages
   std::vector<std::int32_t> counter_;              // [L, Hkv]

@@ -16,6 +16,11 @@
 // adds, to the old part's normalised output, a per-(sequence, kv head) vector `v_fill`
 // (the mean over packed tokens of each dropped V dim): since the old part's attention
 // weights sum to 1, this equals attention over V rows whose dropped dims hold that mean.
+// Key compensation adds, to the old part's log-sum-exp of each query row, sm_scale * q·k_fill
+// (natural log, as the kernel's lse), `k_fill` the per-(sequence, kv head) mean over packed
+// tokens of each dropped K dim (0 on kept dims): the term is the same for every packed token,
+// so this equals attention over K rows whose dropped dims hold that mean, and the packed
+// part's scores are no longer biased against the window's full-width scores.
 
 #include <algorithm>
 #include <cstddef>
@@ -157,6 +162,7 @@ Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const Page
                          T* out,                    // [batch, Hq, q_dim]
                          const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
                          const float* v_fill,       // [batch, Hkv, q_dim] or nullptr
+                         const float* k_fill,       // [batch, Hkv, q_dim] or nullptr
                          Workspace ws) {
   KVKIT_CHECK_STATUS(window.batch_size == old.batch_size, StatusCode::kInvalidArgument,
                      "channel_attention: window batch ", window.batch_size, " != old batch ",
@@ -179,6 +185,19 @@ Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const Page
   if (out_o == nullptr || kws == nullptr)
     return make_status(StatusCode::kInvalidArgument, "channel_attention: workspace too small");
   KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, old, q, out_o, packed, Workspace{kws, kern}, lse_o));
+  if (k_fill != nullptr) {  // key compensation: a per-row shift of the old part's lse
+    const std::int32_t G = Hq / old.num_kv_heads;
+    for (std::size_t r = 0; r < rows; ++r) {
+      if (lse_o[r] == -std::numeric_limits<float>::infinity()) continue;
+      const std::size_t b = r / static_cast<std::size_t>(Hq);
+      const std::int32_t h = static_cast<std::int32_t>(r % static_cast<std::size_t>(Hq)) / G;
+      const float* f = k_fill + (b * static_cast<std::size_t>(old.num_kv_heads) + static_cast<std::size_t>(h)) * D;
+      const T* qr = q + r * D;
+      float dot = 0.f;
+      for (std::int32_t d = 0; d < D; ++d) dot += to_float(qr[d]) * f[d];
+      lse_o[r] += packed.sm_scale * dot;
+    }
+  }
   if (v_fill != nullptr) {
     const std::int32_t G = Hq / old.num_kv_heads;
     for (std::size_t r = 0; r < rows; ++r) {
@@ -193,6 +212,17 @@ Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const Page
   KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, window, q, out_w, dense, Workspace{kws, kern}, lse_w));
   return merge_attention_states(ex, out_o, lse_o, out_w, lse_w, out, static_cast<float*>(nullptr),
                                 static_cast<std::int64_t>(rows), D);
+}
+
+/// channel_attention without key compensation.
+template <class T>
+Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const PagedKVView<T>& old,
+                         const T* q,                // [batch, Hq, q_dim]
+                         T* out,                    // [batch, Hq, q_dim]
+                         const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
+                         const float* v_fill,       // [batch, Hkv, q_dim] or nullptr
+                         Workspace ws) {
+  return channel_attention(ex, window, old, q, out, dense, packed, v_fill, static_cast<const float*>(nullptr), ws);
 }
 
 }  // namespace channel
