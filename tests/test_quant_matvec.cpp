@@ -21,6 +21,7 @@
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/quant_matvec.hpp"
+#include "engine_runs.hpp"
 #include "kvkit/core/thread_pool.hpp"
 #include "reference.hpp"
 
@@ -492,26 +493,19 @@ TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thre
 TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing", "[quant][prefill]") {
   const QuantModel m = make_quant_model();
   KVKIT_TEST_RNG(rng);
-  std::uniform_int_distribution<std::int32_t> tok(0, m.ck->config().vocab_size - 1);
-  std::vector<std::int32_t> prompt(45);
-  for (auto& t : prompt) t = tok(rng);
+  const std::vector<std::int32_t> prompt = test::random_prompt(45, m.ck->config().vocab_size, rng);
   EngineOptions o;
   o.page_size = 8;
   o.max_batch = 1;
   // Teacher forcing: one quantized decode step per prompt token.
-  Engine ref(m.ck, o);
-  const SeqId rid = ref.add_sequence(prompt);
-  for (std::size_t i = 0; i < prompt.size(); ++i) ref.step();
+  const test::TeacherForced ref = test::teacher_forced(m.ck, o, prompt);
   for (int threads : {1, 2, 3}) {
     o.threads = threads;
     Engine eng(m.ck, o);
     REQUIRE(eng.model().quantized());
     std::vector<std::int32_t> pages;
     for (int i = 0; i < 6; ++i) pages.push_back(eng.allocator().allocate());
-    std::vector<PagedKVView<float>> pools;
-    for (int l = 0; l < eng.config().n_layers; ++l)
-      pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
-                                    CsrPageTable{nullptr, nullptr, nullptr, 0}));
+    const std::vector<PagedKVView<float>> pools = test::pool_views(eng);
     std::vector<float> logits(static_cast<std::size_t>(eng.config().vocab_size));
     for (std::int32_t chunk : {16, 512}) {
       Prefiller pre(chunk);
@@ -521,14 +515,14 @@ TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing
       pre.set_tiled_attention(false);
       INFO("threads " << threads << " chunk " << chunk);
       REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
-      REQUIRE(test::bitwise_equal(logits, ref.last_logits(rid)));
+      REQUIRE(test::bitwise_equal(logits, ref.logits));
       // Tiled attention sums in another order: close, not equal.
       pre.set_tiled_attention(true);
       REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
       double diff = 0, mag = 0;
       for (std::size_t i = 0; i < logits.size(); ++i) {
-        diff = std::max(diff, std::abs(static_cast<double>(logits[i]) - ref.last_logits(rid)[i]));
-        mag = std::max(mag, std::abs(static_cast<double>(ref.last_logits(rid)[i])));
+        diff = std::max(diff, std::abs(static_cast<double>(logits[i]) - ref.logits[i]));
+        mag = std::max(mag, std::abs(static_cast<double>(ref.logits[i])));
       }
       INFO("tiled prefill vs teacher forcing: max |diff| / max |logit| = " << diff / mag);
       CHECK(diff / mag < 0.05);
@@ -539,15 +533,11 @@ TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing
 TEST_CASE("EngineOptions::prefill_decode_attention: chunked Engine::prefill equals teacher forcing bit for bit", "[quant][prefill][engine]") {
   const QuantModel m = make_quant_model();
   KVKIT_TEST_RNG(rng);
-  std::uniform_int_distribution<std::int32_t> tok(0, m.ck->config().vocab_size - 1);
-  std::vector<std::int32_t> prompt(40);
-  for (auto& t : prompt) t = tok(rng);
+  const std::vector<std::int32_t> prompt = test::random_prompt(40, m.ck->config().vocab_size, rng);
   EngineOptions o;
   o.page_size = 8;
   o.max_batch = 1;
-  Engine ref(m.ck, o);
-  const SeqId rid = ref.add_sequence(prompt);
-  for (std::size_t i = 0; i < prompt.size(); ++i) ref.step();
+  const test::TeacherForced ref = test::teacher_forced(m.ck, o, prompt);
   o.prefill_decode_attention = true;
   for (int threads : {1, 2}) {
     for (std::int32_t chunk : {5, 13, 64}) {  // chunk borders inside and across pages
@@ -558,8 +548,8 @@ TEST_CASE("EngineOptions::prefill_decode_attention: chunked Engine::prefill equa
       while (eng.prefill(id, chunk) > 0) {
       }
       eng.step();  // the last prompt token: logits and the first generated token
-      REQUIRE(test::bitwise_equal(eng.last_logits(id), ref.last_logits(rid)));
-      REQUIRE(eng.tokens(id) == ref.tokens(rid));
+      REQUIRE(test::bitwise_equal(eng.last_logits(id), ref.logits));
+      REQUIRE(eng.tokens(id) == ref.tokens);
     }
   }
 }
