@@ -46,7 +46,14 @@ using kvkit_test::RedisServer;
 
 namespace {
 
-// The shared server from $KVKIT_REDIS_URL, else a private one (kept for the process).
+// Whether a test's private server runs; when it does not, says so: the test skips.
+bool started(const RedisServer& server) {
+  if (!server.running()) WARN("no redis-server: skipped");
+  return server.running();
+}
+
+// The shared server from $KVKIT_REDIS_URL, else a private one (kept for the process);
+// false, after saying so (the test skips), when neither is there.
 bool shared_options(RedisOptions* out) {
   if (const char* url = std::getenv("KVKIT_REDIS_URL")) {
     const Status st = parse_redis_url(url, out);
@@ -57,9 +64,16 @@ bool shared_options(RedisOptions* out) {
   }
   static std::unique_ptr<RedisServer> own;
   if (!own) own = std::make_unique<RedisServer>();
-  if (!own->running()) return false;
+  if (!started(*own)) return false;
   *out = own->options();
   return true;
+}
+
+// The keys of a batch: prefix + "0" + suffix, ..., prefix + (n - 1) + suffix.
+std::vector<std::string> numbered_keys(const std::string& prefix, std::size_t n, const std::string& suffix = "") {
+  std::vector<std::string> keys(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = prefix + std::to_string(i) + suffix;
+  return keys;
 }
 
 std::string unique_ns(std::mt19937_64& rng) {
@@ -132,15 +146,11 @@ TEST_CASE("parse_redis_url: unix sockets", "[redis]") {
 
 TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
   RedisOptions o;
-  if (!shared_options(&o)) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!shared_options(&o)) return;
   KVKIT_TEST_RNG(rng);
   const std::string ns = unique_ns(rng);
   const std::size_t n = 2048;
-  std::vector<std::string> keys(n);
-  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:" + ns + ":0:" + std::to_string(i) + ":k";
+  const std::vector<std::string> keys = numbered_keys("kvblock:" + ns + ":0:", n, ":k");
   const auto values = random_values(n, 16384, rng);
   o.max_inflight_bytes = 1u << 20;  // a small window: many refills per batch
   RedisBackend redis(o);
@@ -267,10 +277,7 @@ void redis_block_round_trip(BlockBackend& redis, std::mt19937_64& rng, Codec cod
 TEST_CASE("BlockStore over Redis: every dtype and layout, 10% deleted -> longest complete prefix",
           "[redis][connector]") {
   RedisOptions o;
-  if (!shared_options(&o)) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!shared_options(&o)) return;
   KVKIT_TEST_RNG(rng);
   RedisBackend redis(o);
   for (Codec codec : {Codec::kRaw, Codec::kZstd}) {
@@ -282,10 +289,7 @@ TEST_CASE("BlockStore over Redis: every dtype and layout, 10% deleted -> longest
 
 TEST_CASE("RedisBackend: AUTH", "[redis]") {
   RedisServer server("kvkit-pw");
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   RedisBackend good(server.options());
   CHECK(good.connect().is_ok());
   RedisOptions bad_pw = server.options();
@@ -305,14 +309,10 @@ TEST_CASE("RedisBackend: AUTH", "[redis]") {
 TEST_CASE("RedisBackend: server paused or killed mid-batch -> bounded error, then recovery",
           "[redis][fault]") {
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   const std::size_t n = 2048;
-  std::vector<std::string> keys(n);
-  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:fault:0:" + std::to_string(i) + ":v";
+  const std::vector<std::string> keys = numbered_keys("kvblock:fault:0:", n, ":v");
   const auto values = random_values(n, 16384, rng);
   std::vector<KeyState> states(n);
   std::vector<std::string> got(n);
@@ -422,10 +422,7 @@ TEST_CASE("cluster_key_slot matches CLUSTER KEYSLOT on 10k keys", "[redis][clust
   CHECK(cluster_hash_part("a}b{c") == "a}b{c");
   CHECK(cluster_hash_part("{x}{y}") == "x");
   RedisServer server({}, /*cluster_enabled=*/true);
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   std::vector<std::string> keys;
   const std::string ns = make_namespace("m");
@@ -595,8 +592,8 @@ TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migrat
   const std::string src_id = node_command(src_port, {"CLUSTER", "MYID"});
   const std::string dst_id = node_command(dst_port, {"CLUSTER", "MYID"});
   const std::size_t m = 200;
-  std::vector<std::string> mkeys(m), mgot(m);
-  for (std::size_t i = 0; i < m; ++i) mkeys[i] = "{mig}:" + std::to_string(i);
+  const std::vector<std::string> mkeys = numbered_keys("{mig}:", m);
+  std::vector<std::string> mgot(m);
   const auto mvalues = random_values(m, 1000, rng);
   std::vector<KeyState> mstates(m);
   REQUIRE(backend.put(mkeys.data(), mvalues.data(), m, mstates.data()).is_ok());
@@ -679,10 +676,7 @@ constexpr bool kAsan = false;
 TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, TCP and unix socket",
           "[redis]") {
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   const std::vector<std::size_t> sizes = {0,     1,     2,     2047,  2048,   2049,   4095,
                                           4096,  4097,  16383, 16384, 16385,  20481,  65543,
@@ -701,8 +695,7 @@ TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, T
       o.max_inflight_commands = 1 + rng() % 64;
       RedisBackend redis(o);
       const std::string ns = unique_ns(rng);
-      std::vector<std::string> keys(n);
-      for (std::size_t i = 0; i < n; ++i) keys[i] = "sz:" + ns + ":" + std::to_string(i);
+      const std::vector<std::string> keys = numbered_keys("sz:" + ns + ":", n);
       std::vector<KeyState> states(n, KeyState::kError);
       Status st = redis.put(keys.data(), values.data(), n, states.data());
       INFO(st.to_string());
@@ -746,10 +739,7 @@ TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, T
 
 TEST_CASE("BlockStore over Redis on a unix socket (redis+unix:// URL)", "[redis][connector]") {
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   RedisOptions o;
   REQUIRE(parse_redis_url("redis+unix://" + server.unix_path(), &o).is_ok());
@@ -788,15 +778,11 @@ TEST_CASE("RedisBackend: client memory bounded by the in-flight window, not the 
     REQUIRE(seen >= (3u << 20));
   }
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   const std::size_t n = 2048, size = 65536;
   const auto values = random_values(n, size, rng);
-  std::vector<std::string> keys(n);
-  for (std::size_t i = 0; i < n; ++i) keys[i] = "mem:" + std::to_string(i);
+  const std::vector<std::string> keys = numbered_keys("mem:", n);
   std::vector<std::string> got(n, std::string(size, '\x5a'));  // resident before measuring
   std::vector<KeyState> states(n);
   constexpr std::size_t kConstant = 1u << 20;
@@ -842,18 +828,15 @@ TEST_CASE("RedisBackend: client memory bounded by the in-flight window, not the 
 // and 64 KiB on one connection, median of 7 runs each, in the same process.
 TEST_CASE("RedisBackend throughput: pipelined vs one GET per key", "[.bench][redis]") {
   RedisOptions o;
-  if (!shared_options(&o)) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!shared_options(&o)) return;
   o.batch_deadline = std::chrono::milliseconds(60000);
   RedisBackend redis(o);
   KVKIT_TEST_RNG(rng);
   const std::string ns = unique_ns(rng);
   for (std::size_t size : {std::size_t{16384}, std::size_t{65536}}) {
     const std::size_t n = 2048;
-    std::vector<std::string> keys(n), got(n);
-    for (std::size_t i = 0; i < n; ++i) keys[i] = "bench:" + ns + ":" + std::to_string(i);
+    const std::vector<std::string> keys = numbered_keys("bench:" + ns + ":", n);
+    std::vector<std::string> got(n);
     const auto values = random_values(n, size, rng);
     std::vector<KeyState> states(n);
     auto median_s = [&](auto&& call) {
