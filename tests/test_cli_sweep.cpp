@@ -14,11 +14,7 @@
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-using kvkit::test::CliResult;
-using kvkit::test::kSmolPath;
-using kvkit::test::model_arg;
-using kvkit::test::run_cli;
-using kvkit::test::run_json;
+using namespace kvkit::test;  // cli_runner.hpp: run_cli, run_json, model_arg, kSmolPath
 
 namespace {
 

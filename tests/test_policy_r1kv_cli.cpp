@@ -13,11 +13,7 @@
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-using kvkit::test::CliResult;
-using kvkit::test::kSmolPath;
-using kvkit::test::model_arg;
-using kvkit::test::run_cli;
-using kvkit::test::run_json;
+using namespace kvkit::test;  // cli_runner.hpp: run_cli, run_json, model_arg, kSmolPath
 
 TEST_CASE("kvkit generate --policy r1kv --compare-full: counters and fidelity in the JSON", "[cli][r1kv]") {
   // 120 steps, budget 64 + buffer 32: one compression at 96 cached tokens (6 pages -> 4),
