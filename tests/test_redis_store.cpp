@@ -76,6 +76,21 @@ std::vector<std::string> numbered_keys(const std::string& prefix, std::size_t n,
   return keys;
 }
 
+// `keys` with every `step`-th key from `first` on renamed to one that is absent.
+std::vector<std::string> with_absent(std::vector<std::string> keys, std::size_t first, std::size_t step) {
+  for (std::size_t i = first; i < keys.size(); i += step) keys[i] += "-absent";
+  return keys;
+}
+
+// Puts every key: the call and every key must succeed.
+void put_all(RedisBackend& b, const std::vector<std::string>& keys, const std::vector<std::string>& values) {
+  std::vector<KeyState> states(keys.size(), KeyState::kError);
+  const Status st = b.put(keys.data(), values.data(), keys.size(), states.data());
+  INFO(st.to_string());
+  REQUIRE(st.is_ok());
+  for (auto s : states) REQUIRE(s == KeyState::kHit);
+}
+
 std::string unique_ns(std::mt19937_64& rng) {
   return make_namespace("test_redis_store", std::to_string(rng()) + std::to_string(::getpid()));
 }
@@ -154,15 +169,11 @@ TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
   const auto values = random_values(n, 16384, rng);
   o.max_inflight_bytes = 1u << 20;  // a small window: many refills per batch
   RedisBackend redis(o);
-  std::vector<KeyState> states(n, KeyState::kError);
-  Status st = redis.put(keys.data(), values.data(), n, states.data());
-  INFO(st.to_string());
-  REQUIRE(st.is_ok());
-  for (auto s : states) REQUIRE(s == KeyState::kHit);
+  put_all(redis, keys, values);
   // Every other key absent.
-  std::vector<std::string> probe = keys;
-  for (std::size_t i = 1; i < n; i += 2) probe[i] += "-absent";
-  st = redis.exists(probe.data(), n, states.data());
+  const std::vector<std::string> probe = with_absent(keys, 1, 2);
+  std::vector<KeyState> states(n, KeyState::kError);
+  Status st = redis.exists(probe.data(), n, states.data());
   REQUIRE(st.is_ok());
   for (std::size_t i = 0; i < n; ++i)
     REQUIRE(states[i] == (i % 2 == 0 ? KeyState::kHit : KeyState::kMiss));
@@ -696,17 +707,13 @@ TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, T
       RedisBackend redis(o);
       const std::string ns = unique_ns(rng);
       const std::vector<std::string> keys = numbered_keys("sz:" + ns + ":", n);
-      std::vector<KeyState> states(n, KeyState::kError);
-      Status st = redis.put(keys.data(), values.data(), n, states.data());
-      INFO(st.to_string());
-      REQUIRE(st.is_ok());
-      for (auto s : states) REQUIRE(s == KeyState::kHit);
+      put_all(redis, keys, values);
       // Absent keys interleaved; destinations start with stale bytes of other sizes.
-      std::vector<std::string> probe = keys;
-      for (std::size_t i = 0; i < n; i += 3) probe[i] += "-absent";
+      const std::vector<std::string> probe = with_absent(keys, 0, 3);
+      std::vector<KeyState> states(n, KeyState::kError);
       std::vector<std::string> got(n);
       for (std::size_t i = 0; i < n; ++i) got[i] = values[(i + 1) % n];
-      st = redis.get(probe.data(), n, got.data(), states.data());
+      const Status st = redis.get(probe.data(), n, got.data(), states.data());
       REQUIRE(st.is_ok());
       for (std::size_t i = 0; i < n; ++i) {
         CAPTURE(i, values[i].size());
