@@ -34,15 +34,17 @@
 #include "kvkit/store/redis_cluster.hpp"
 #include "kvkit/store/redis_cluster_store.hpp"
 #include "kvkit/store/redis_store.hpp"
+#include "redis_cluster.hpp"
 #include "redis_server.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
 using namespace kvkit::store;
 using Clock = std::chrono::steady_clock;
-using kvkit_test::find_redis_server;
 using kvkit_test::free_port;
 using kvkit_test::RedisServer;
+using kvkit_test::node_command;
+using kvkit_test::RedisCluster;
 
 namespace {
 
@@ -477,70 +479,6 @@ TEST_CASE("cluster_key_slot matches CLUSTER KEYSLOT on 10k keys", "[redis][clust
   CHECK(mismatches == 0);
 }
 
-namespace {
-
-// One command on a node, its reply as text (integers and statuses too); "" on failure.
-std::string node_command(int port, const std::vector<std::string>& args) {
-  redisContext* c = redisConnect("127.0.0.1", port);
-  if (c == nullptr || c->err != 0) {
-    if (c != nullptr) redisFree(c);
-    return {};
-  }
-  std::vector<const char*> argv;
-  std::vector<std::size_t> len;
-  for (const auto& a : args) {
-    argv.push_back(a.data());
-    len.push_back(a.size());
-  }
-  auto* r = static_cast<redisReply*>(
-      redisCommandArgv(c, static_cast<int>(args.size()), argv.data(), len.data()));
-  std::string out;
-  if (r != nullptr) {
-    if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS ||
-        r->type == REDIS_REPLY_ERROR)
-      out = std::string(r->str, r->len);
-    else if (r->type == REDIS_REPLY_INTEGER)
-      out = std::to_string(r->integer);
-    freeReplyObject(r);
-  }
-  redisFree(c);
-  return out;
-}
-
-// A 3-master Redis Cluster on free loopback ports, joined with redis-cli --cluster create.
-struct Cluster {
-  std::vector<std::unique_ptr<RedisServer>> servers;
-  bool ok = false;
-  Cluster() {
-    for (int i = 0; i < 3; ++i) {
-      servers.push_back(std::make_unique<RedisServer>(std::string(), true));
-      if (!servers.back()->running()) return;
-    }
-    std::string cmd = "redis-cli --cluster create";
-    for (auto& s : servers) cmd += " 127.0.0.1:" + std::to_string(s->port());
-    cmd += " --cluster-replicas 0 --cluster-yes > /dev/null 2>&1";
-    if (std::system(cmd.c_str()) != 0) return;
-    for (int i = 0; i < 200; ++i) {  // until every node reports the cluster ok
-      bool all = true;
-      for (auto& s : servers)
-        all = all && node_command(s->port(), {"CLUSTER", "INFO"}).find("cluster_state:ok") !=
-                         std::string::npos;
-      if (all) {
-        ok = true;
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-  RedisClusterOptions options() const {
-    RedisClusterOptions o;
-    o.seeds.emplace_back("127.0.0.1", servers[0]->port());
-    o.node = kvkit_test::with_test_timeouts(o.node);
-    return o;
-  }
-};
-
-}  // namespace
 
 TEST_CASE("parse_redis_cluster_url", "[redis][cluster]") {
   RedisClusterOptions o;
@@ -555,11 +493,11 @@ TEST_CASE("parse_redis_cluster_url", "[redis][cluster]") {
 
 TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migration (ASK, MOVED)",
           "[redis][cluster]") {
-  if (find_redis_server().empty() || std::system("command -v redis-cli > /dev/null 2>&1") != 0) {
+  if (!kvkit_test::cluster_tools_found()) {
     WARN("no redis-server or no redis-cli (needed for --cluster create): skipped");
     return;
   }
-  Cluster cluster;
+  RedisCluster cluster;
   REQUIRE(cluster.ok);
   KVKIT_TEST_RNG(rng);
   RedisClusterBackend backend(cluster.options());
