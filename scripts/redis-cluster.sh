@@ -6,7 +6,7 @@
 #
 #   scripts/redis-cluster.sh start [DIR]   starts it; prints the URL, redis-cluster://127.0.0.1:P1,...
 #   scripts/redis-cluster.sh url [DIR]     prints the URL of a running one
-#   scripts/redis-cluster.sh stop [DIR]    stops the servers this script started in DIR, removes DIR
+#   scripts/redis-cluster.sh stop [DIR]    stops the servers this script started in DIR, removes its files
 #
 # DIR (default ${TMPDIR:-/tmp}/kvkit-redis-cluster) holds the nodes' pid, log and
 # cluster-config files. Needs redis-server, redis-cli and python3 (free ports).
@@ -59,7 +59,9 @@ stop_nodes() {
       done
     fi
   done
-  rm -rf "$dir"
+  # Only what start wrote: DIR may be a folder of the caller's.
+  rm -f "$dir"/node-*.pid "$dir"/node-*.log "$dir"/nodes-*.conf "$dir/url" "$dir/create.log"
+  rmdir "$dir" 2>/dev/null || true
 }
 
 url_of() {
