@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "cli/cmd_probe.hpp"
+#include "cli/parse_subcommand.hpp"
 #include "cli/policies.hpp"
 #include "cli/cmd_r1kv.hpp"
 #include "cli/cmd_chat_demo.hpp"  // kvkit chat-demo
@@ -281,20 +282,9 @@ bool parse_args(int argc, char** argv, Options& o) {
     }
     throw UsageError("unknown command '" + args[0] + "' (expected " + join(kCommands, ", ") + ")");
   }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
+  if (kvkit::cli::parse_subcommand(app, argc, argv, [](int, const std::string& m) -> int { throw UsageError(m); }) !=
+      kvkit::cli::kParsed)
     return false;
-  } catch (const CLI::CallForAllHelp&) {
-    std::cout << app.help("", CLI::AppFormatMode::All);
-    return false;
-  } catch (const CLI::CallForVersion& e) {
-    std::cout << e.what() << "\n";
-    return false;
-  } catch (const CLI::ParseError& e) {
-    throw UsageError(e.what());
-  }
   if (probe->parsed()) return o.command = "probe", true;
   if (store_demo->parsed()) return o.command = "store-demo", true;
   o.command = gen->parsed() ? "generate" : chat->parsed() ? "chat" : "trace";

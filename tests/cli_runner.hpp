@@ -1,7 +1,7 @@
 #pragma once
 // Running the built `kvkit` binary (KVKIT_CLI_PATH) from tests: a per-test temporary
-// folder, the exit code with stdout and stderr, and (with nlohmann/json included first)
-// the one JSON object of a --json run that must succeed.
+// folder, the model files of KVKIT_MODEL_DIR, the exit code with stdout and stderr, and
+// (with nlohmann/json included first) the one JSON object of a --json run that must succeed.
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,6 +35,18 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
+
+/// The model files the CLI tests run (CI's sanitizer build has only stories260K).
+inline const std::string kStoriesPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
+inline const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `--model 'stories260K.bin' ` when the file is there, else "" and a warning: the CLI's
+/// synthetic model has the same shape, so the test runs either way.
+inline std::string model_arg() {
+  if (std::filesystem::exists(kStoriesPath)) return "--model '" + kStoriesPath + "' ";
+  WARN("no model file " << kStoriesPath << ": using the synthetic model");
+  return "";
+}
 
 inline std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

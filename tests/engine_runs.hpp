@@ -1,8 +1,9 @@
 #pragma once
-// Small drivers of the example engine shared by the engine and CLI tests.
+// Small drivers of the example engine shared by the engine, prefill and CLI tests.
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,40 @@ inline std::vector<std::vector<std::int32_t>> run_engine(
   std::vector<std::vector<std::int32_t>> out;
   for (engine::SeqId id : ids) out.push_back(eng.tokens(id));
   return out;
+}
+
+/// `n` uniform random token ids in [0, vocab).
+inline std::vector<std::int32_t> random_prompt(std::int32_t n, std::int32_t vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<std::int32_t> d(0, vocab - 1);
+  std::vector<std::int32_t> p(static_cast<std::size_t>(n));
+  for (auto& t : p) t = d(rng);
+  return p;
+}
+
+/// What teacher forcing leaves: the logits of the step that processed the last prompt
+/// token, and the tokens then (the prompt plus the greedy token it chose).
+struct TeacherForced {
+  std::vector<float> logits;         // [vocab]
+  std::vector<std::int32_t> tokens;  // [prompt + 1]
+};
+
+/// Teacher forcing, the reference of every prefill test: one engine step per prompt token.
+inline TeacherForced teacher_forced(std::shared_ptr<const engine::Checkpoint> ck, const engine::EngineOptions& o,
+                                    const std::vector<std::int32_t>& prompt) {
+  engine::Engine eng(std::move(ck), o);
+  const engine::SeqId id = eng.add_sequence(prompt);
+  for (std::size_t i = 0; i < prompt.size(); ++i) eng.step();
+  return {eng.last_logits(id), eng.tokens(id)};
+}
+
+/// One view per layer over the engine's whole K/V pools, with an empty page table: what
+/// Prefiller::run takes (it addresses pages by the ids it is given).
+inline std::vector<PagedKVView<float>> pool_views(engine::Engine& eng) {
+  std::vector<PagedKVView<float>> pools;
+  for (int l = 0; l < eng.config().n_layers; ++l)
+    pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
+                                  CsrPageTable{nullptr, nullptr, nullptr, 0}));
+  return pools;
 }
 
 }  // namespace test

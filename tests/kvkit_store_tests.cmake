@@ -22,3 +22,12 @@ if(TARGET kvkit_example_engine)
     target_compile_definitions(test_store_demo PRIVATE KVKIT_TEST_REDIS=1)
   endif()
 endif()
+# `kvkit store-demo` as a subprocess: memory, a private redis-server and a private 3-master
+# Redis Cluster give the same numbers (tests/test_cli_store_demo.cpp).
+if(TARGET kvkit_cli AND TARGET kvkit::redis)
+  find_package(nlohmann_json 3 CONFIG REQUIRED)  # found for kvkit_cli already
+  kvkit_add_test(test_cli_store_demo test_cli_store_demo.cpp)
+  target_link_libraries(test_cli_store_demo PRIVATE kvkit::redis nlohmann_json::nlohmann_json)
+  target_compile_definitions(test_cli_store_demo PRIVATE KVKIT_CLI_PATH="$<TARGET_FILE:kvkit_cli>")
+  add_dependencies(test_cli_store_demo kvkit_cli)
+endif()

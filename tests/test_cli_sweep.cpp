@@ -14,20 +14,9 @@
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-using kvkit::test::CliResult;
-using kvkit::test::run_cli;
-using kvkit::test::run_json;
+using namespace kvkit::test;  // cli_runner.hpp: run_cli, run_json, model_arg, kSmolPath
 
 namespace {
-
-const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
-const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-std::string model_arg() {
-  if (fs::exists(kModelPath)) return "--model '" + kModelPath + "' ";
-  WARN("no model file " << kModelPath << ": using the synthetic model");
-  return "";
-}
 
 const Json& find_run(const Json& sweep, const std::string& policy, int budget) {
   for (const Json& r : sweep.at("runs"))

@@ -13,23 +13,7 @@
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-using kvkit::test::CliResult;
-using kvkit::test::run_cli;
-using kvkit::test::run_json;
-
-namespace {
-
-const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
-const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-// stories260K when present, else the CLI's synthetic model (same shape).
-std::string model_arg() {
-  if (fs::exists(kModelPath)) return "--model '" + kModelPath + "' ";
-  WARN("no model file " << kModelPath << ": using the synthetic model");
-  return "";
-}
-
-}  // namespace
+using namespace kvkit::test;  // cli_runner.hpp: run_cli, run_json, model_arg, kSmolPath
 
 TEST_CASE("kvkit generate --policy r1kv --compare-full: counters and fidelity in the JSON", "[cli][r1kv]") {
   // 120 steps, budget 64 + buffer 32: one compression at 96 cached tokens (6 pages -> 4),

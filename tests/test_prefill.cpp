@@ -20,10 +20,12 @@
 #include "engine/engine.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/prefill.hpp"
+#include "engine_runs.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
+using kvkit::test::random_prompt;
 using kvkit::test::test_seed;
 namespace fs = std::filesystem;
 
@@ -44,13 +46,6 @@ std::vector<NamedModel> small_models() {
   else
     WARN("skipped stories260K: no model file " << kStoriesPath);
   return m;
-}
-
-std::vector<std::int32_t> random_prompt(std::int32_t n, std::int32_t vocab, std::mt19937_64& rng) {
-  std::uniform_int_distribution<std::int32_t> d(0, vocab - 1);
-  std::vector<std::int32_t> p(static_cast<std::size_t>(n));
-  for (auto& t : p) t = d(rng);
-  return p;
 }
 
 // max |a - b| / max |b|.
@@ -151,10 +146,7 @@ TEST_CASE("Prefiller::run gives the last token's logits (tiled or decode-kernel 
     Engine eng(m.ck, o);
     std::vector<std::int32_t> pages;
     for (int i = 0; i < 6; ++i) pages.push_back(eng.allocator().allocate());
-    std::vector<PagedKVView<float>> pools;
-    for (int l = 0; l < eng.config().n_layers; ++l)
-      pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
-                                    CsrPageTable{nullptr, nullptr, nullptr, 0}));
+    const std::vector<PagedKVView<float>> pools = test::pool_views(eng);
     std::vector<float> logits(static_cast<std::size_t>(eng.config().vocab_size));
     Prefiller pre(16);
     for (bool tiled : {true, false}) {  // tiled attention, and the paged decode kernel per token

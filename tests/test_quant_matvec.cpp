@@ -21,6 +21,7 @@
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/quant_matvec.hpp"
+#include "engine_runs.hpp"
 #include "kvkit/core/thread_pool.hpp"
 #include "reference.hpp"
 
@@ -237,19 +238,34 @@ TEST_CASE("row_dot: every format against float64 (formula and dequantized weight
   }
 }
 
-TEST_CASE("quant_matvec: odd row counts, fused matrices, any thread count bit for bit", "[quant][parallel]") {
-  KVKIT_TEST_RNG(rng);
+namespace {
+
+constexpr int kOddCols = 96;
+
+// Runs body(ws) for every format on three fresh random [rows, kOddCols] matrices of it with
+// 1, 33 and 77 rows (odd counts: uneven per-thread row ranges), as a fused QKV-style product
+// takes them. INFO names the SIMD path and the format.
+template <class Body>
+void for_each_format(std::mt19937_64& rng, Body&& body) {
   INFO("path " << quant_isa());
   for (QuantFormat f : kAll) {
     INFO("format " << quant_format_name(f));
-    const int cols = 96;
-    const int row_counts[3] = {1, 33, 77};
     std::vector<std::vector<unsigned char>> bytes;
-    std::vector<QMatrix> ws;
-    for (int rows : row_counts) {
-      bytes.push_back(random_matrix(f, rows, cols, rng));
-      ws.push_back(QMatrix::make(f, rows, cols, bytes.back().data()));
+    std::vector<QMatrix> ws;  // [3], pointing into bytes
+    for (int rows : {1, 33, 77}) {
+      bytes.push_back(random_matrix(f, rows, kOddCols, rng));
+      ws.push_back(QMatrix::make(f, rows, kOddCols, bytes.back().data()));
     }
+    body(static_cast<const std::vector<QMatrix>&>(ws));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("quant_matvec: odd row counts, fused matrices, any thread count bit for bit", "[quant][parallel]") {
+  KVKIT_TEST_RNG(rng);
+  for_each_format(rng, [&](const std::vector<QMatrix>& ws) {
+    const int cols = kOddCols;
     const std::vector<float> x = random_activation(cols, rng);
     std::vector<Q8Act> q(cols / 32);
     quantize_activation(x.data(), cols, q.data());
@@ -273,7 +289,7 @@ TEST_CASE("quant_matvec: odd row counts, fused matrices, any thread count bit fo
       quant_matvec(pool.host(), ws[1], a, single.data());
       REQUIRE(test::bitwise_equal(single, want[1]));
     }
-  }
+  });
   std::vector<unsigned char> b = random_matrix(QuantFormat::kQ4_1, 4, 64, rng);
   const QMatrix w = QMatrix::make(QuantFormat::kQ4_1, 4, 64, b.data());
   std::vector<float> x(32, 1.f), y(4);
@@ -387,6 +403,25 @@ std::vector<float> run_logits(std::shared_ptr<const Checkpoint> ck, int threads,
   return all;
 }
 
+// The prefill tests' setup: the quantized model, a random prompt of n tokens, options (pages
+// of 8, one sequence) and the reference, teacher forcing (one quantized decode step per
+// prompt token).
+struct PrefillCase {
+  QuantModel model;
+  std::vector<std::int32_t> prompt;
+  EngineOptions options;
+  test::TeacherForced ref;
+};
+
+PrefillCase prefill_case(std::int32_t n, std::mt19937_64& rng) {
+  PrefillCase c{make_quant_model(), {}, {}, {}};
+  c.prompt = test::random_prompt(n, c.model.ck->config().vocab_size, rng);
+  c.options.page_size = 8;
+  c.options.max_batch = 1;
+  c.ref = test::teacher_forced(c.model.ck, c.options, c.prompt);
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("Model on quantized weights: same logits for any thread count, close to float", "[quant][engine]") {
@@ -432,17 +467,8 @@ TEST_CASE("SmolLM2: quantized decode is bitwise identical on 1 and 2 threads", "
 
 TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thread count bit for bit", "[quant][parallel]") {
   KVKIT_TEST_RNG(rng);
-  INFO("path " << quant_isa());
-  for (QuantFormat f : kAll) {
-    INFO("format " << quant_format_name(f));
-    const int cols = 96;
-    const int row_counts[3] = {1, 33, 77};
-    std::vector<std::vector<unsigned char>> bytes;
-    std::vector<QMatrix> ws;
-    for (int rows : row_counts) {
-      bytes.push_back(random_matrix(f, rows, cols, rng));
-      ws.push_back(QMatrix::make(f, rows, cols, bytes.back().data()));
-    }
+  for_each_format(rng, [&](const std::vector<QMatrix>& ws) {
+    const int cols = kOddCols;
     for (std::int32_t T : {1, 7, 64, 130}) {  // one, a partial, exactly one and several token blocks
       INFO("tokens " << T);
       std::vector<float> x;
@@ -479,7 +505,7 @@ TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thre
           REQUIRE(test::bitwise_equal(got[static_cast<std::size_t>(i)], want[static_cast<std::size_t>(i)]));
       }
     }
-  }
+  });
   std::vector<unsigned char> b = random_matrix(QuantFormat::kQ4_1, 4, 64, rng);
   const QMatrix w = QMatrix::make(QuantFormat::kQ4_1, 4, 64, b.data());
   std::vector<float> x(32, 1.f), y(8);
@@ -490,28 +516,16 @@ TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thre
 }
 
 TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing", "[quant][prefill]") {
-  const QuantModel m = make_quant_model();
   KVKIT_TEST_RNG(rng);
-  std::uniform_int_distribution<std::int32_t> tok(0, m.ck->config().vocab_size - 1);
-  std::vector<std::int32_t> prompt(45);
-  for (auto& t : prompt) t = tok(rng);
-  EngineOptions o;
-  o.page_size = 8;
-  o.max_batch = 1;
-  // Teacher forcing: one quantized decode step per prompt token.
-  Engine ref(m.ck, o);
-  const SeqId rid = ref.add_sequence(prompt);
-  for (std::size_t i = 0; i < prompt.size(); ++i) ref.step();
+  const PrefillCase c = prefill_case(45, rng);
+  EngineOptions o = c.options;
   for (int threads : {1, 2, 3}) {
     o.threads = threads;
-    Engine eng(m.ck, o);
+    Engine eng(c.model.ck, o);
     REQUIRE(eng.model().quantized());
     std::vector<std::int32_t> pages;
     for (int i = 0; i < 6; ++i) pages.push_back(eng.allocator().allocate());
-    std::vector<PagedKVView<float>> pools;
-    for (int l = 0; l < eng.config().n_layers; ++l)
-      pools.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
-                                    CsrPageTable{nullptr, nullptr, nullptr, 0}));
+    const std::vector<PagedKVView<float>> pools = test::pool_views(eng);
     std::vector<float> logits(static_cast<std::size_t>(eng.config().vocab_size));
     for (std::int32_t chunk : {16, 512}) {
       Prefiller pre(chunk);
@@ -520,15 +534,15 @@ TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing
       // columns are quant_matvec's products).
       pre.set_tiled_attention(false);
       INFO("threads " << threads << " chunk " << chunk);
-      REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
-      REQUIRE(test::bitwise_equal(logits, ref.last_logits(rid)));
+      REQUIRE(pre.run(eng.model(), pools.data(), pages, c.prompt.data(), 45, 0, 0, logits.data()).is_ok());
+      REQUIRE(test::bitwise_equal(logits, c.ref.logits));
       // Tiled attention sums in another order: close, not equal.
       pre.set_tiled_attention(true);
-      REQUIRE(pre.run(eng.model(), pools.data(), pages, prompt.data(), 45, 0, 0, logits.data()).is_ok());
+      REQUIRE(pre.run(eng.model(), pools.data(), pages, c.prompt.data(), 45, 0, 0, logits.data()).is_ok());
       double diff = 0, mag = 0;
       for (std::size_t i = 0; i < logits.size(); ++i) {
-        diff = std::max(diff, std::abs(static_cast<double>(logits[i]) - ref.last_logits(rid)[i]));
-        mag = std::max(mag, std::abs(static_cast<double>(ref.last_logits(rid)[i])));
+        diff = std::max(diff, std::abs(static_cast<double>(logits[i]) - c.ref.logits[i]));
+        mag = std::max(mag, std::abs(static_cast<double>(c.ref.logits[i])));
       }
       INFO("tiled prefill vs teacher forcing: max |diff| / max |logit| = " << diff / mag);
       CHECK(diff / mag < 0.05);
@@ -537,29 +551,21 @@ TEST_CASE("Batched prefill on quantized weights equals quantized teacher forcing
 }
 
 TEST_CASE("EngineOptions::prefill_decode_attention: chunked Engine::prefill equals teacher forcing bit for bit", "[quant][prefill][engine]") {
-  const QuantModel m = make_quant_model();
   KVKIT_TEST_RNG(rng);
-  std::uniform_int_distribution<std::int32_t> tok(0, m.ck->config().vocab_size - 1);
-  std::vector<std::int32_t> prompt(40);
-  for (auto& t : prompt) t = tok(rng);
-  EngineOptions o;
-  o.page_size = 8;
-  o.max_batch = 1;
-  Engine ref(m.ck, o);
-  const SeqId rid = ref.add_sequence(prompt);
-  for (std::size_t i = 0; i < prompt.size(); ++i) ref.step();
+  const PrefillCase c = prefill_case(40, rng);
+  EngineOptions o = c.options;
   o.prefill_decode_attention = true;
   for (int threads : {1, 2}) {
     for (std::int32_t chunk : {5, 13, 64}) {  // chunk borders inside and across pages
       INFO("threads " << threads << " chunk " << chunk);
       o.threads = threads;
-      Engine eng(m.ck, o);
-      const SeqId id = eng.add_sequence(prompt);
+      Engine eng(c.model.ck, o);
+      const SeqId id = eng.add_sequence(c.prompt);
       while (eng.prefill(id, chunk) > 0) {
       }
       eng.step();  // the last prompt token: logits and the first generated token
-      REQUIRE(test::bitwise_equal(eng.last_logits(id), ref.last_logits(rid)));
-      REQUIRE(eng.tokens(id) == ref.tokens(rid));
+      REQUIRE(test::bitwise_equal(eng.last_logits(id), c.ref.logits));
+      REQUIRE(eng.tokens(id) == c.ref.tokens);
     }
   }
 }

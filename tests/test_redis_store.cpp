@@ -34,19 +34,28 @@
 #include "kvkit/store/redis_cluster.hpp"
 #include "kvkit/store/redis_cluster_store.hpp"
 #include "kvkit/store/redis_store.hpp"
+#include "redis_cluster.hpp"
 #include "redis_server.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
 using namespace kvkit::store;
 using Clock = std::chrono::steady_clock;
-using kvkit_test::find_redis_server;
 using kvkit_test::free_port;
 using kvkit_test::RedisServer;
+using kvkit_test::node_command;
+using kvkit_test::RedisCluster;
 
 namespace {
 
-// The shared server from $KVKIT_REDIS_URL, else a private one (kept for the process).
+// Whether a test's private server runs; when it does not, says so: the test skips.
+bool started(const RedisServer& server) {
+  if (!server.running()) WARN("no redis-server: skipped");
+  return server.running();
+}
+
+// The shared server from $KVKIT_REDIS_URL, else a private one (kept for the process);
+// false, after saying so (the test skips), when neither is there.
 bool shared_options(RedisOptions* out) {
   if (const char* url = std::getenv("KVKIT_REDIS_URL")) {
     const Status st = parse_redis_url(url, out);
@@ -57,9 +66,31 @@ bool shared_options(RedisOptions* out) {
   }
   static std::unique_ptr<RedisServer> own;
   if (!own) own = std::make_unique<RedisServer>();
-  if (!own->running()) return false;
+  if (!started(*own)) return false;
   *out = own->options();
   return true;
+}
+
+// The keys of a batch: prefix + "0" + suffix, ..., prefix + (n - 1) + suffix.
+std::vector<std::string> numbered_keys(const std::string& prefix, std::size_t n, const std::string& suffix = "") {
+  std::vector<std::string> keys(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = prefix + std::to_string(i) + suffix;
+  return keys;
+}
+
+// `keys` with every `step`-th key from `first` on renamed to one that is absent.
+std::vector<std::string> with_absent(std::vector<std::string> keys, std::size_t first, std::size_t step) {
+  for (std::size_t i = first; i < keys.size(); i += step) keys[i] += "-absent";
+  return keys;
+}
+
+// Puts every key: the call and every key must succeed.
+void put_all(RedisBackend& b, const std::vector<std::string>& keys, const std::vector<std::string>& values) {
+  std::vector<KeyState> states(keys.size(), KeyState::kError);
+  const Status st = b.put(keys.data(), values.data(), keys.size(), states.data());
+  INFO(st.to_string());
+  REQUIRE(st.is_ok());
+  for (auto s : states) REQUIRE(s == KeyState::kHit);
 }
 
 std::string unique_ns(std::mt19937_64& rng) {
@@ -132,27 +163,19 @@ TEST_CASE("parse_redis_url: unix sockets", "[redis]") {
 
 TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
   RedisOptions o;
-  if (!shared_options(&o)) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!shared_options(&o)) return;
   KVKIT_TEST_RNG(rng);
   const std::string ns = unique_ns(rng);
   const std::size_t n = 2048;
-  std::vector<std::string> keys(n);
-  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:" + ns + ":0:" + std::to_string(i) + ":k";
+  const std::vector<std::string> keys = numbered_keys("kvblock:" + ns + ":0:", n, ":k");
   const auto values = random_values(n, 16384, rng);
   o.max_inflight_bytes = 1u << 20;  // a small window: many refills per batch
   RedisBackend redis(o);
-  std::vector<KeyState> states(n, KeyState::kError);
-  Status st = redis.put(keys.data(), values.data(), n, states.data());
-  INFO(st.to_string());
-  REQUIRE(st.is_ok());
-  for (auto s : states) REQUIRE(s == KeyState::kHit);
+  put_all(redis, keys, values);
   // Every other key absent.
-  std::vector<std::string> probe = keys;
-  for (std::size_t i = 1; i < n; i += 2) probe[i] += "-absent";
-  st = redis.exists(probe.data(), n, states.data());
+  const std::vector<std::string> probe = with_absent(keys, 1, 2);
+  std::vector<KeyState> states(n, KeyState::kError);
+  Status st = redis.exists(probe.data(), n, states.data());
   REQUIRE(st.is_ok());
   for (std::size_t i = 0; i < n; ++i)
     REQUIRE(states[i] == (i % 2 == 0 ? KeyState::kHit : KeyState::kMiss));
@@ -267,10 +290,7 @@ void redis_block_round_trip(BlockBackend& redis, std::mt19937_64& rng, Codec cod
 TEST_CASE("BlockStore over Redis: every dtype and layout, 10% deleted -> longest complete prefix",
           "[redis][connector]") {
   RedisOptions o;
-  if (!shared_options(&o)) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!shared_options(&o)) return;
   KVKIT_TEST_RNG(rng);
   RedisBackend redis(o);
   for (Codec codec : {Codec::kRaw, Codec::kZstd}) {
@@ -282,10 +302,7 @@ TEST_CASE("BlockStore over Redis: every dtype and layout, 10% deleted -> longest
 
 TEST_CASE("RedisBackend: AUTH", "[redis]") {
   RedisServer server("kvkit-pw");
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   RedisBackend good(server.options());
   CHECK(good.connect().is_ok());
   RedisOptions bad_pw = server.options();
@@ -305,14 +322,10 @@ TEST_CASE("RedisBackend: AUTH", "[redis]") {
 TEST_CASE("RedisBackend: server paused or killed mid-batch -> bounded error, then recovery",
           "[redis][fault]") {
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   const std::size_t n = 2048;
-  std::vector<std::string> keys(n);
-  for (std::size_t i = 0; i < n; ++i) keys[i] = "kvblock:fault:0:" + std::to_string(i) + ":v";
+  const std::vector<std::string> keys = numbered_keys("kvblock:fault:0:", n, ":v");
   const auto values = random_values(n, 16384, rng);
   std::vector<KeyState> states(n);
   std::vector<std::string> got(n);
@@ -422,10 +435,7 @@ TEST_CASE("cluster_key_slot matches CLUSTER KEYSLOT on 10k keys", "[redis][clust
   CHECK(cluster_hash_part("a}b{c") == "a}b{c");
   CHECK(cluster_hash_part("{x}{y}") == "x");
   RedisServer server({}, /*cluster_enabled=*/true);
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   std::vector<std::string> keys;
   const std::string ns = make_namespace("m");
@@ -469,70 +479,6 @@ TEST_CASE("cluster_key_slot matches CLUSTER KEYSLOT on 10k keys", "[redis][clust
   CHECK(mismatches == 0);
 }
 
-namespace {
-
-// One command on a node, its reply as text (integers and statuses too); "" on failure.
-std::string node_command(int port, const std::vector<std::string>& args) {
-  redisContext* c = redisConnect("127.0.0.1", port);
-  if (c == nullptr || c->err != 0) {
-    if (c != nullptr) redisFree(c);
-    return {};
-  }
-  std::vector<const char*> argv;
-  std::vector<std::size_t> len;
-  for (const auto& a : args) {
-    argv.push_back(a.data());
-    len.push_back(a.size());
-  }
-  auto* r = static_cast<redisReply*>(
-      redisCommandArgv(c, static_cast<int>(args.size()), argv.data(), len.data()));
-  std::string out;
-  if (r != nullptr) {
-    if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS ||
-        r->type == REDIS_REPLY_ERROR)
-      out = std::string(r->str, r->len);
-    else if (r->type == REDIS_REPLY_INTEGER)
-      out = std::to_string(r->integer);
-    freeReplyObject(r);
-  }
-  redisFree(c);
-  return out;
-}
-
-// A 3-master Redis Cluster on free loopback ports, joined with redis-cli --cluster create.
-struct Cluster {
-  std::vector<std::unique_ptr<RedisServer>> servers;
-  bool ok = false;
-  Cluster() {
-    for (int i = 0; i < 3; ++i) {
-      servers.push_back(std::make_unique<RedisServer>(std::string(), true));
-      if (!servers.back()->running()) return;
-    }
-    std::string cmd = "redis-cli --cluster create";
-    for (auto& s : servers) cmd += " 127.0.0.1:" + std::to_string(s->port());
-    cmd += " --cluster-replicas 0 --cluster-yes > /dev/null 2>&1";
-    if (std::system(cmd.c_str()) != 0) return;
-    for (int i = 0; i < 200; ++i) {  // until every node reports the cluster ok
-      bool all = true;
-      for (auto& s : servers)
-        all = all && node_command(s->port(), {"CLUSTER", "INFO"}).find("cluster_state:ok") !=
-                         std::string::npos;
-      if (all) {
-        ok = true;
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-  RedisClusterOptions options() const {
-    RedisClusterOptions o;
-    o.seeds.emplace_back("127.0.0.1", servers[0]->port());
-    o.node = kvkit_test::with_test_timeouts(o.node);
-    return o;
-  }
-};
-
-}  // namespace
 
 TEST_CASE("parse_redis_cluster_url", "[redis][cluster]") {
   RedisClusterOptions o;
@@ -547,11 +493,11 @@ TEST_CASE("parse_redis_cluster_url", "[redis][cluster]") {
 
 TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migration (ASK, MOVED)",
           "[redis][cluster]") {
-  if (find_redis_server().empty() || std::system("command -v redis-cli > /dev/null 2>&1") != 0) {
+  if (!kvkit_test::cluster_tools_found()) {
     WARN("no redis-server or no redis-cli (needed for --cluster create): skipped");
     return;
   }
-  Cluster cluster;
+  RedisCluster cluster;
   REQUIRE(cluster.ok);
   KVKIT_TEST_RNG(rng);
   RedisClusterBackend backend(cluster.options());
@@ -595,8 +541,8 @@ TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migrat
   const std::string src_id = node_command(src_port, {"CLUSTER", "MYID"});
   const std::string dst_id = node_command(dst_port, {"CLUSTER", "MYID"});
   const std::size_t m = 200;
-  std::vector<std::string> mkeys(m), mgot(m);
-  for (std::size_t i = 0; i < m; ++i) mkeys[i] = "{mig}:" + std::to_string(i);
+  const std::vector<std::string> mkeys = numbered_keys("{mig}:", m);
+  std::vector<std::string> mgot(m);
   const auto mvalues = random_values(m, 1000, rng);
   std::vector<KeyState> mstates(m);
   REQUIRE(backend.put(mkeys.data(), mvalues.data(), m, mstates.data()).is_ok());
@@ -679,10 +625,7 @@ constexpr bool kAsan = false;
 TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, TCP and unix socket",
           "[redis]") {
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   const std::vector<std::size_t> sizes = {0,     1,     2,     2047,  2048,   2049,   4095,
                                           4096,  4097,  16383, 16384, 16385,  20481,  65543,
@@ -701,19 +644,14 @@ TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, T
       o.max_inflight_commands = 1 + rng() % 64;
       RedisBackend redis(o);
       const std::string ns = unique_ns(rng);
-      std::vector<std::string> keys(n);
-      for (std::size_t i = 0; i < n; ++i) keys[i] = "sz:" + ns + ":" + std::to_string(i);
-      std::vector<KeyState> states(n, KeyState::kError);
-      Status st = redis.put(keys.data(), values.data(), n, states.data());
-      INFO(st.to_string());
-      REQUIRE(st.is_ok());
-      for (auto s : states) REQUIRE(s == KeyState::kHit);
+      const std::vector<std::string> keys = numbered_keys("sz:" + ns + ":", n);
+      put_all(redis, keys, values);
       // Absent keys interleaved; destinations start with stale bytes of other sizes.
-      std::vector<std::string> probe = keys;
-      for (std::size_t i = 0; i < n; i += 3) probe[i] += "-absent";
+      const std::vector<std::string> probe = with_absent(keys, 0, 3);
+      std::vector<KeyState> states(n, KeyState::kError);
       std::vector<std::string> got(n);
       for (std::size_t i = 0; i < n; ++i) got[i] = values[(i + 1) % n];
-      st = redis.get(probe.data(), n, got.data(), states.data());
+      const Status st = redis.get(probe.data(), n, got.data(), states.data());
       REQUIRE(st.is_ok());
       for (std::size_t i = 0; i < n; ++i) {
         CAPTURE(i, values[i].size());
@@ -746,10 +684,7 @@ TEST_CASE("RedisBackend: value sizes around the scatter / in-place thresholds, T
 
 TEST_CASE("BlockStore over Redis on a unix socket (redis+unix:// URL)", "[redis][connector]") {
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   RedisOptions o;
   REQUIRE(parse_redis_url("redis+unix://" + server.unix_path(), &o).is_ok());
@@ -788,15 +723,11 @@ TEST_CASE("RedisBackend: client memory bounded by the in-flight window, not the 
     REQUIRE(seen >= (3u << 20));
   }
   RedisServer server;
-  if (!server.running()) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!started(server)) return;
   KVKIT_TEST_RNG(rng);
   const std::size_t n = 2048, size = 65536;
   const auto values = random_values(n, size, rng);
-  std::vector<std::string> keys(n);
-  for (std::size_t i = 0; i < n; ++i) keys[i] = "mem:" + std::to_string(i);
+  const std::vector<std::string> keys = numbered_keys("mem:", n);
   std::vector<std::string> got(n, std::string(size, '\x5a'));  // resident before measuring
   std::vector<KeyState> states(n);
   constexpr std::size_t kConstant = 1u << 20;
@@ -842,18 +773,15 @@ TEST_CASE("RedisBackend: client memory bounded by the in-flight window, not the 
 // and 64 KiB on one connection, median of 7 runs each, in the same process.
 TEST_CASE("RedisBackend throughput: pipelined vs one GET per key", "[.bench][redis]") {
   RedisOptions o;
-  if (!shared_options(&o)) {
-    WARN("no redis-server: skipped");
-    return;
-  }
+  if (!shared_options(&o)) return;
   o.batch_deadline = std::chrono::milliseconds(60000);
   RedisBackend redis(o);
   KVKIT_TEST_RNG(rng);
   const std::string ns = unique_ns(rng);
   for (std::size_t size : {std::size_t{16384}, std::size_t{65536}}) {
     const std::size_t n = 2048;
-    std::vector<std::string> keys(n), got(n);
-    for (std::size_t i = 0; i < n; ++i) keys[i] = "bench:" + ns + ":" + std::to_string(i);
+    const std::vector<std::string> keys = numbered_keys("bench:" + ns + ":", n);
+    std::vector<std::string> got(n);
     const auto values = random_values(n, size, rng);
     std::vector<KeyState> states(n);
     auto median_s = [&](auto&& call) {

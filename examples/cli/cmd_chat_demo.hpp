@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/parse_subcommand.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/conversation_host.hpp"
 #include "engine/engine.hpp"
@@ -479,14 +480,7 @@ inline int run_chat_demo(int argc, char** argv) {
   app.add_flag("--no-share", o.no_share,
                "conversation ways without cross-conversation prefix sharing (each conversation keeps its pages privately)");
   app.add_flag("--json", o.json, "print one JSON object");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    return fail(2, e.what());
-  }
+  if (const int rc = parse_subcommand(app, argc, argv, fail); rc != kParsed) return rc;
   try {
     return chat_demo::run(o);
   } catch (const chat_demo::UsageError& e) {

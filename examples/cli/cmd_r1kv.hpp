@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/parse_subcommand.hpp"
 #include "engine/npy.hpp"
 #include "kvkit/compressor/r1kv.hpp"
 #include "kvkit/core/error.hpp"
@@ -219,22 +220,17 @@ inline int run_r1kv(int argc, char** argv) {
                         ->type_name("CV.npy");
   ok->needs(ov);
   ov->needs(ok);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::cerr << "kvkit: error: r1kv: " << e.what() << "\n";
-    return 2;
-  }
+  auto usage_error = [](int code, const std::string& m) {
+    std::cerr << "kvkit: error: r1kv: " << m << "\n";
+    return code;
+  };
+  if (const int rc = parse_subcommand(app, argc, argv, usage_error); rc != kParsed) return rc;
   try {
     detail::r1kv_run(o);
   } catch (const detail::R1kvUsageError& e) {
     std::string m = e.what();
     if (m.rfind("kvkit: ", 0) == 0) m = m.substr(7);
-    std::cerr << "kvkit: error: r1kv: " << m << "\n";
-    return 2;
+    return usage_error(2, m);
   } catch (const std::exception& e) {
     std::string m = e.what();
     if (m.rfind("kvkit: ", 0) == 0) m = m.substr(7);

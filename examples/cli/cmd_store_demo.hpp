@@ -125,7 +125,13 @@ inline Backend open_backend(const std::string& url) {
     store::RedisClusterOptions o;
     const Status st = store::parse_redis_cluster_url(url, &o);
     if (!st.is_ok()) throw StoreDemoUsage("--store: " + st.message());
-    b.backend = std::make_unique<store::RedisClusterBackend>(o);
+    o.node.ttl_seconds = 3600;  // as for redis:// below
+    auto r = std::make_unique<store::RedisClusterBackend>(o);
+    // The slot map now, as redis:// connects now: an unreachable seed or a server without
+    // cluster support fails here, naming --store, not after the store-free run.
+    const Status c = r->refresh();
+    if (!c.is_ok()) throw std::runtime_error("--store " + url + ": " + c.message());
+    b.backend = std::move(r);
     b.style = store::KeyStyle::kClusterTagged;
   } else {
     store::RedisOptions o;

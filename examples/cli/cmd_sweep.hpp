@@ -39,6 +39,7 @@
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/r1kv_policy.hpp"
+#include "cli/parse_subcommand.hpp"
 #include "engine/tokenizer.hpp"
 #include "kvkit/version.hpp"
 
@@ -360,14 +361,7 @@ inline int run_sweep(int argc, char** argv) {
     std::cout << nlohmann::json{{"error", msg}, {"code", code}}.dump() << "\n";
     return code;
   };
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    return error(2, e.what());
-  }
+  if (const int rc = parse_subcommand(app, argc, argv, error); rc != kParsed) return rc;
   try {
     o.policies = detail::sweep_split(policies);
     for (const std::string& b : detail::sweep_split(budgets)) o.budgets.push_back(std::stoi(b));

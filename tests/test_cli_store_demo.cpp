@@ -1,0 +1,125 @@
+// `kvkit store-demo` run as a subprocess (KVKIT_CLI_PATH) on stories260K against every kind
+// of --store: memory, a private redis-server (redis://) and a private 3-master Redis Cluster
+// (redis-cluster://, every node or one as the seed). The stores must give the same numbers
+// (blocks saved, hit tokens, prefill tokens avoided, per-request blocks and tokens) with
+// outputs equal to the store-free run, delete every key they wrote (without --keep), and put
+// a TTL on what --keep leaves. A redis-cluster:// URL that reaches no cluster fails at once,
+// naming --store.
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <string>
+
+#include "cli_runner.hpp"
+#include "redis_cluster.hpp"
+#include "redis_server.hpp"
+
+using Json = nlohmann::json;
+using kvkit::test::CliResult;
+using kvkit::test::kStoriesPath;
+using kvkit::test::run_cli;
+using kvkit::test::run_json;
+using kvkit_test::node_command;
+
+namespace {
+
+Json store_demo(const std::string& store, const std::string& extra = "") {
+  return run_json("store-demo --model '" + kStoriesPath + "' --store '" + store + "' --max-tokens 8 --json" + extra);
+}
+
+// The numbers every store must reproduce (timings aside).
+void check_same_as(const Json& got, const Json& want) {
+  for (const char* k : {"blocks_saved", "warm_blocks_saved", "hit_tokens", "prefill_tokens_avoided", "removed_keys",
+                        "shared_prefix_tokens", "outputs_match"}) {
+    CAPTURE(k);
+    CHECK(got.at(k) == want.at(k));
+  }
+  REQUIRE(got.at("requests").size() == want.at("requests").size());
+  for (std::size_t i = 0; i < want.at("requests").size(); ++i) {
+    const Json &g = got.at("requests")[i], &w = want.at("requests")[i];
+    CAPTURE(i);
+    for (const char* k : {"matched_blocks", "loaded_blocks", "cold_saved_blocks", "tokens", "baseline_tokens"}) {
+      CAPTURE(k);
+      CHECK(g.at(k) == w.at(k));
+    }
+    CHECK_FALSE(g.contains("load_error"));
+  }
+}
+
+long long keys_on(int port) { return std::stoll(node_command(port, {"DBSIZE"})); }
+
+}  // namespace
+
+TEST_CASE("kvkit store-demo: memory, redis:// and redis-cluster:// give the same blocks, hits and outputs",
+          "[cli][store_demo][redis][cluster]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  const Json mem = store_demo("memory");
+  CHECK(mem.at("outputs_match") == true);
+  CHECK(mem.at("blocks_saved").get<int>() > 0);
+  CHECK(mem.at("hit_tokens").get<int>() >= mem.at("shared_prefix_tokens").get<int>() / 16 * 16);
+  CHECK(mem.at("prefill_tokens_avoided") == mem.at("hit_tokens"));
+  CHECK(mem.at("removed_keys").get<int>() > 0);
+
+  if (!kvkit_test::cluster_tools_found()) {
+    WARN("skipped the Redis stores: no redis-server or no redis-cli (needed for --cluster create)");
+    return;
+  }
+  kvkit_test::RedisServer server;
+  REQUIRE(server.running());
+  const std::string redis_url = "redis://127.0.0.1:" + std::to_string(server.port());
+  {
+    INFO(redis_url);
+    check_same_as(store_demo(redis_url), mem);
+    CHECK(keys_on(server.port()) == 0);  // every key deleted
+  }
+
+  kvkit_test::RedisCluster cluster;
+  REQUIRE(cluster.ok);
+  {
+    INFO(cluster.url());
+    check_same_as(store_demo(cluster.url()), mem);
+    for (const auto& s : cluster.servers) CHECK(keys_on(s->port()) == 0);
+  }
+  {
+    // One node as the seed (the slot map names the others); --keep: the keys stay, spread
+    // over the masters, each with the demo's TTL.
+    const std::string one = "redis-cluster://127.0.0.1:" + std::to_string(cluster.servers[1]->port());
+    INFO(one);
+    const Json kept = store_demo(one, " --keep");
+    CHECK(kept.at("removed_keys") == 0);
+    CHECK(kept.at("outputs_match") == true);
+    CHECK(kept.at("hit_tokens") == mem.at("hit_tokens"));
+    long long total = 0;
+    int holding = 0;
+    for (const auto& s : cluster.servers) {
+      const long long n = keys_on(s->port());
+      total += n;
+      holding += n > 0;
+      if (n == 0) continue;
+      const std::string key = node_command(s->port(), {"RANDOMKEY"});
+      const long long ttl = std::stoll(node_command(s->port(), {"TTL", key}));
+      CAPTURE(key, ttl);
+      CHECK(ttl > 0);
+      CHECK(ttl <= 3600);
+    }
+    // blocks_saved blocks, each a K and a V key per layer.
+    CHECK(total == kept.at("blocks_saved").get<long long>() * 2 * kept.at("layers").get<long long>());
+    CHECK(holding >= 2);
+  }
+
+  // A redis-cluster:// URL that reaches no cluster: exit 1 before any run, naming --store.
+  for (const std::string& bad : {"redis-cluster://127.0.0.1:" + std::to_string(server.port()),  // no cluster support
+                                 "redis-cluster://127.0.0.1:" + std::to_string(kvkit_test::free_port())}) {
+    CAPTURE(bad);
+    const CliResult r = run_cli("store-demo --model '" + kStoriesPath + "' --store '" + bad + "' --json");
+    CHECK(r.code == 1);
+    CHECK_THAT(r.err, Catch::Contains("kvkit: --store " + bad + ": "));
+    const Json j = Json::parse(r.out);
+    CHECK(j.at("code") == 1);
+  }
+}
