@@ -367,6 +367,19 @@ const double* prefix_at(const std::vector<double>& ps, const Trace& t, std::int3
   return ps.data() + ((static_cast<std::size_t>(l) * (t.n + 1) + j) * t.H + h) * t.D;
 }
 
+// KL(softmax(a) || softmax(b)) in float64 from scaled scores [n] and their maxima.
+double softmax_kl(const double* a, double ma, const double* b, double mb, std::int32_t n) {
+  double za = 0, zb = 0;
+  for (std::int32_t j = 0; j < n; ++j) {
+    za += std::exp(a[j] - ma);
+    zb += std::exp(b[j] - mb);
+  }
+  const double la = std::log(za) + ma, lb = std::log(zb) + mb;
+  double kl = 0;
+  for (std::int32_t j = 0; j < n; ++j) kl += std::exp(a[j] - la) * ((a[j] - la) - (b[j] - lb));
+  return std::max(0.0, kl);
+}
+
 // KL(dense || packed) of every (eval step, layer, query head). Tokens older than the
 // window are scored on the r selected dims; with `compensate`, plus sum over the dropped
 // dims of q_d mu_d, mu_d the mean of k_d over those old tokens.
@@ -409,18 +422,7 @@ std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t
           ma = std::max(ma, a[static_cast<std::size_t>(j)]);
           mb = std::max(mb, b[static_cast<std::size_t>(j)]);
         }
-        double za = 0, zb = 0;
-        for (std::int32_t j = 0; j < n; ++j) {
-          za += std::exp(a[static_cast<std::size_t>(j)] - ma);
-          zb += std::exp(b[static_cast<std::size_t>(j)] - mb);
-        }
-        const double la = std::log(za) + ma, lb = std::log(zb) + mb;
-        double kl = 0;
-        for (std::int32_t j = 0; j < n; ++j) {
-          const double pa = a[static_cast<std::size_t>(j)] - la, pb = b[static_cast<std::size_t>(j)] - lb;
-          kl += std::exp(pa) * (pa - pb);
-        }
-        kls.push_back(std::max(0.0, kl));
+        kls.push_back(softmax_kl(a.data(), ma, b.data(), mb, n));
       }
   }
   return kls;
@@ -772,18 +774,7 @@ std::vector<double> basis_kls(const Trace& t, const Basis& bs, std::int32_t r, s
           ma = std::max(ma, a[static_cast<std::size_t>(j)]);
           mb = std::max(mb, b[static_cast<std::size_t>(j)]);
         }
-        double za = 0, zb = 0;
-        for (std::int32_t j = 0; j < n; ++j) {
-          za += std::exp(a[static_cast<std::size_t>(j)] - ma);
-          zb += std::exp(b[static_cast<std::size_t>(j)] - mb);
-        }
-        const double la = std::log(za) + ma, lb = std::log(zb) + mb;
-        double kl = 0;
-        for (std::int32_t j = 0; j < n; ++j) {
-          const double pa = a[static_cast<std::size_t>(j)] - la, pb = b[static_cast<std::size_t>(j)] - lb;
-          kl += std::exp(pa) * (pa - pb);
-        }
-        kls.push_back(std::max(0.0, kl));
+        kls.push_back(softmax_kl(a.data(), ma, b.data(), mb, n));
       }
   }
   return kls;

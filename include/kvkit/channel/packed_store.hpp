@@ -185,28 +185,26 @@ Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const Page
   if (out_o == nullptr || kws == nullptr)
     return make_status(StatusCode::kInvalidArgument, "channel_attention: workspace too small");
   KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, old, q, out_o, packed, Workspace{kws, kern}, lse_o));
-  if (k_fill != nullptr) {  // key compensation: a per-row shift of the old part's lse
-    const std::int32_t G = Hq / old.num_kv_heads;
+  if (k_fill != nullptr || v_fill != nullptr) {
+    const std::size_t Hkv = static_cast<std::size_t>(old.num_kv_heads);
+    const std::size_t G = static_cast<std::size_t>(Hq) / Hkv;
     for (std::size_t r = 0; r < rows; ++r) {
-      if (lse_o[r] == -std::numeric_limits<float>::infinity()) continue;
-      const std::size_t b = r / static_cast<std::size_t>(Hq);
-      const std::int32_t h = static_cast<std::int32_t>(r % static_cast<std::size_t>(Hq)) / G;
-      const float* f = k_fill + (b * static_cast<std::size_t>(old.num_kv_heads) + static_cast<std::size_t>(h)) * D;
-      const T* qr = q + r * D;
-      float dot = 0.f;
-      for (std::int32_t d = 0; d < D; ++d) dot += to_float(qr[d]) * f[d];
-      lse_o[r] += packed.sm_scale * dot;
-    }
-  }
-  if (v_fill != nullptr) {
-    const std::int32_t G = Hq / old.num_kv_heads;
-    for (std::size_t r = 0; r < rows; ++r) {
-      if (lse_o[r] == -std::numeric_limits<float>::infinity()) continue;
-      const std::size_t b = r / static_cast<std::size_t>(Hq);
-      const std::int32_t h = static_cast<std::int32_t>(r % static_cast<std::size_t>(Hq)) / G;
-      const float* f = v_fill + (b * static_cast<std::size_t>(old.num_kv_heads) + static_cast<std::size_t>(h)) * D;
-      T* o = out_o + r * D;
-      for (std::int32_t d = 0; d < D; ++d) o[d] = from_float<T>(to_float(o[d]) + f[d]);
+      if (lse_o[r] == -std::numeric_limits<float>::infinity()) continue;  // no old tokens
+      // fills are [B, Hkv, D]: row r = (sequence b, query head), kv head = query head / G
+      const std::size_t fill_row =
+          ((r / static_cast<std::size_t>(Hq)) * Hkv + (r % static_cast<std::size_t>(Hq)) / G) * D;
+      if (k_fill != nullptr) {  // key compensation: a per-row shift of the old part's lse
+        const float* f = k_fill + fill_row;
+        const T* qr = q + r * D;
+        float dot = 0.f;
+        for (std::int32_t d = 0; d < D; ++d) dot += to_float(qr[d]) * f[d];
+        lse_o[r] += packed.sm_scale * dot;
+      }
+      if (v_fill != nullptr) {  // dropped V dims read as their fill: sum_t p_t = 1 adds it once
+        const float* f = v_fill + fill_row;
+        T* o = out_o + r * D;
+        for (std::int32_t d = 0; d < D; ++d) o[d] = from_float<T>(to_float(o[d]) + f[d]);
+      }
     }
   }
   KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, window, q, out_w, dense, Workspace{kws, kern}, lse_w));
