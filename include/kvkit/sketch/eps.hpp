@@ -733,7 +733,8 @@ class SketchStore {
     const float* B = basis(layer, h);
     float* lo = rot_min_.data() + hr * d_;
     float* hi = rot_max_.data() + hr * d_;
-    const double e = 2.0 * (d_ + 2) * 0x1p-24 * std::sqrt(nn) * std::sqrt(1 + basis_eps(layer, h)) * (1 + 1e-9);
+    // (+ 1e-40: products that underflow into subnormals err absolutely, <= d·2⁻¹⁵⁰ in all)
+    const double e = 2.0 * (d_ + 2) * 0x1p-24 * std::sqrt(nn) * std::sqrt(1 + basis_eps(layer, h)) * (1 + 1e-9) + 1e-40;
     float* kf = rot_work_.data();      // [d]
     float* yv = kf + d_;               // [d]
     for (std::int32_t c = 0; c < d_; ++c) kf[c] = static_cast<float>(k[c]);  // exact: k holds floats
@@ -1065,7 +1066,8 @@ inline RotQuery rotate_query(const float* B /* [d, d] columns b_j */, double eps
   }
   RotQuery r;
   r.qr_norm = std::sqrt(n2) * (1 + 1e-12);
-  const double e_q = double_dot_slack(d) * std::sqrt(d * (1 + eps_b)) * qnorm + 0x1p-23 * r.qr_norm;
+  // (+ 1e-40: the float rounding of entries below the normal range errs absolutely)
+  const double e_q = double_dot_slack(d) * std::sqrt(d * (1 + eps_b)) * qnorm + 0x1p-23 * r.qr_norm + 1e-40;
   r.extra = 2.0 * (e_q * std::sqrt(1 + eps_b) + eps_b * qnorm);
   return r;
 }
@@ -1086,7 +1088,8 @@ inline void rot_bounds(const float* rmin /* [groups, d] */, const float* rmax /*
     const float* mx = rmax + r * static_cast<std::size_t>(d);
     std::int32_t g = 0;
     auto put = [&](std::int32_t gg, double h) {
-      const double u = h + box_slack(d, rq[gg].qr_norm, rot_amax[r]) + rq[gg].extra * max_norm[r];
+      // (+ 1e-40: float products that underflow err absolutely, <= d·2⁻¹⁵⁰ in all)
+      const double u = h + box_slack(d, rq[gg].qr_norm, rot_amax[r]) + rq[gg].extra * max_norm[r] + 1e-40;
       double& o = out[gg * ldo + i];
       o = std::min(o, u);
     };
