@@ -64,7 +64,7 @@
 // the rotated boxes; on the K-write path one d×d product per key and kv head (y = Bᵀk),
 // and once per (layer, kv head) the basis fit (one read of the keys present then, a d×d
 // covariance and its Jacobi eigenvectors). Measured (bench_eps): the rotated box is
-// 0.2 nats tighter than min(box, norm) on the synthetic needle traces and 0.9 nats on
+// 0.15 nats tighter than min(box, norm) on the synthetic needle traces and 0.9 nats on
 // stories260K, too little to change the pages the ε rule visits at ε = 1e-3, where even
 // the exact per-page max logit would save only ~15 %.
 //
