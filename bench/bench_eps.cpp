@@ -142,15 +142,54 @@ Trace synthetic_trace(std::int32_t n, std::uint64_t seed, std::int32_t queries) 
   return t;
 }
 
+constexpr int kMethods = 6;  // ranking columns: box, strict, fd, jl, 1pc, rbox
+constexpr int kWalkBounds = 7;  // certified-walk columns (kWalkNames)
+const char* const kWalkNames[kWalkBounds] = {"box+norm", "rbox (box,norm,rot)", "rot+norm (no axis box)",
+                                             "centred norm", "min(all certified)", "oracle max logit",
+                                             "oracle page mass"};
+const double kWalkEps[3] = {1e-3, 1e-2, 1e-1};
+
 struct Row {
   std::string trace;
   std::int32_t pages = 0;
-  // pages for 100 % top-10 recall: box, strict, fd, jl, 1pc
-  double recall_pages[5] = {0, 0, 0, 0, 0};
-  double err[3][5] = {};  // [budget][method]
-  double visited_box = 0, visited_strict = 0, visited_jl = 0;
+  // pages for 100 % top-10 recall: box, strict, fd, jl, 1pc, rbox
+  double recall_pages[kMethods] = {};
+  double err[3][kMethods] = {};  // [budget][method]
+  double visited_box = 0, visited_strict = 0, visited_jl = 0, visited_rbox = 0;
+  double walk[3][kWalkBounds] = {};  // [eps][bound] pages visited by the certified walk
+  double slack_nats[kWalkBounds] = {};  // mean over queries and pages of s·(U - true max)
   std::int32_t queries = 0;
 };
+
+// The pre-pass's ε rule for one query head and a single sequence (last page always read,
+// groups of one page) over arbitrary per-page upper bounds ub[j] on max q·k: pages visited.
+std::int32_t walk_pages(const Trace& t, const std::vector<double>& logit, const std::vector<double>& ub, double eps) {
+  const std::int32_t np = (t.n + t.P - 1) / t.P, nc = np - 1;
+  double mx = -1e300;
+  for (std::int32_t i = (np - 1) * t.P; i < t.n; ++i) mx = std::max(mx, logit[i]);
+  double S = 0;
+  for (std::int32_t i = (np - 1) * t.P; i < t.n; ++i) S += std::exp(logit[i] - mx);
+  std::vector<double> lub(static_cast<std::size_t>(nc));
+  double ref = mx;
+  for (std::int32_t j = 0; j < nc; ++j) {
+    lub[j] = std::log(double(t.P)) + t.scale * ub[j];
+    ref = std::max(ref, lub[j]);
+  }
+  std::vector<sk::detail::Mass128> w(static_cast<std::size_t>(nc));
+  sk::detail::Mass128 W;
+  for (std::int32_t j = 0; j < nc; ++j) {
+    w[j] = sk::detail::quantise_mass(lub[j] - ref);
+    W.add(w[j]);
+  }
+  std::vector<std::int32_t> ord(static_cast<std::size_t>(nc)), out(static_cast<std::size_t>(nc));
+  const sk::detail::WalkResult r = sk::detail::certified_walk(
+      lub.data(), w.data(), W, nc, S * std::exp(mx - ref), eps, nc, 0, ord.data(), out.data(), [&](std::int32_t j) {
+        double m = 0;
+        for (std::int32_t i = j * t.P; i < (j + 1) * t.P; ++i) m += std::exp(logit[i] - 1e-12 * std::fabs(logit[i]) - ref);
+        return m;
+      });
+  return r.visited + 1;
+}
 
 const double kBudgets[3] = {0.02, 0.05, 0.10};
 
@@ -169,8 +208,29 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
   row.trace = t.name;
   row.pages = np;
   std::vector<double> logit(static_cast<std::size_t>(t.n));
-  std::vector<double> ub[5];
+  std::vector<double> ub[kMethods];
   for (auto& u : ub) u.resize(static_cast<std::size_t>(np));
+  // The rotated box (basis fitted from all of the trace's keys at the first sync).
+  sk::SketchParams rp;
+  rp.method = sk::SketchMethod::kRotBox;
+  sk::SketchStore rstore(rp, 1, 1, d, t.P, np);
+  rstore.sync(0, view);
+  std::vector<float> qr(static_cast<std::size_t>(d));
+  std::vector<double> rwork(2 * static_cast<std::size_t>(d));
+  // Centred norm: q·c + ‖q‖·max‖k − c‖, c = the page's first key (what a K-write path
+  // can keep); computed here in double with a 1e-9 relative margin (bench only).
+  std::vector<double> cmax(static_cast<std::size_t>(np), 0.0);
+  for (std::int32_t j = 0; j < np; ++j)
+    for (std::int32_t i = j * t.P; i < std::min(t.n, (j + 1) * t.P); ++i) {
+      double r2 = 0;
+      for (int c = 0; c < d; ++c) {
+        const double x = double(t.k[static_cast<std::size_t>(i) * d + c]) - t.k[static_cast<std::size_t>(j) * t.P * d + c];
+        r2 += x * x;
+      }
+      cmax[j] = std::max(cmax[j], std::sqrt(r2));
+    }
+  std::vector<double> wub[kWalkBounds];
+  for (auto& u : wub) u.resize(static_cast<std::size_t>(np));
   for (const auto& q : t.qs) {
     double qn = 0;
     for (float x : q) qn += double(x) * x;
@@ -178,15 +238,8 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
     std::vector<double> z(static_cast<std::size_t>(m), 0.0);
     for (int c = 0; c < d; ++c)
       for (int a = 0; a < m; ++a) z[a] += double(q[c]) * store.phi(0)[c * m + a];
-    for (std::int32_t j = 0; j < np; ++j) {
-      const std::int32_t r = store.record_of(0, j);
-      const sk::GroupBounds gb = sk::group_bounds(store, 0, r, 0, q.data(), qn, z.data());
-      ub[0][j] = gb.box_hi;
-      ub[1][j] = std::min({gb.box_hi, gb.norm, gb.fd});
-      ub[2][j] = gb.fd;
-      ub[3][j] = gb.jl;
-      ub[4][j] = gb.one_pc;
-    }
+    const sk::detail::RotQuery rq =
+        sk::detail::rotate_query(rstore.basis(0, 0), rstore.basis_eps(0, 0), d, q.data(), qn, qr.data(), rwork.data());
     double mx = -1e300;
     for (std::int32_t i = 0; i < t.n; ++i) {
       double s = 0;
@@ -194,6 +247,33 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
       logit[i] = s * t.scale;
       mx = std::max(mx, logit[i]);
     }
+    for (std::int32_t j = 0; j < np; ++j) {
+      const std::int32_t r = store.record_of(0, j);
+      const sk::GroupBounds gb = sk::group_bounds(store, 0, r, 0, q.data(), qn, z.data());
+      const double rot = sk::rot_bound(rstore, 0, rstore.record_of(0, j), 0, qr.data(), rq);
+      ub[0][j] = gb.box_hi;
+      ub[1][j] = std::min({gb.box_hi, gb.norm, gb.fd});
+      ub[2][j] = gb.fd;
+      ub[3][j] = gb.jl;
+      ub[4][j] = gb.one_pc;
+      ub[5][j] = std::min({gb.box_hi, gb.norm, rot});
+      double qc = 0, tmax = -1e300;
+      for (int c = 0; c < d; ++c) qc += double(q[c]) * t.k[static_cast<std::size_t>(j) * t.P * d + c];
+      for (std::int32_t i = j * t.P; i < std::min(t.n, (j + 1) * t.P); ++i) tmax = std::max(tmax, logit[i] / t.scale);
+      const double cn = (qc + qn * cmax[j]) * (1 + 1e-9) + 1e-9 * std::fabs(qc);
+      wub[0][j] = std::min(gb.box_hi, gb.norm);
+      wub[1][j] = ub[5][j];
+      wub[2][j] = std::min(rot, gb.norm);
+      wub[3][j] = std::min(cn, gb.norm);
+      wub[4][j] = std::min({ub[5][j], gb.fd, cn});
+      wub[5][j] = tmax;
+      double lse = 0;  // the page's exact mass as a bound: log(P) + s·U = log Σ exp(logit)
+      for (std::int32_t i = j * t.P; i < std::min(t.n, (j + 1) * t.P); ++i) lse += std::exp(logit[i] - mx);
+      wub[6][j] = (std::log(lse) + mx - std::log(double(t.P))) / t.scale + 1e-9 * std::fabs(tmax);
+      for (int b = 0; b < 6; ++b) row.slack_nats[b] += t.scale * (wub[b][j] - tmax) / np;
+    }
+    for (int e = 0; e < 3; ++e)
+      for (int b = 0; b < kWalkBounds; ++b) row.walk[e][b] += walk_pages(t, logit, wub[b], kWalkEps[e]);
     std::vector<std::int32_t> idx(static_cast<std::size_t>(t.n));
     std::iota(idx.begin(), idx.end(), 0);
     const std::int32_t top = std::min<std::int32_t>(10, t.n);
@@ -215,7 +295,7 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
     attend(all, dense);
     double dn = 0;
     for (double x : dense) dn += x * x;
-    for (int mt = 0; mt < 5; ++mt) {
+    for (int mt = 0; mt < kMethods; ++mt) {
       std::vector<std::int32_t> order;
       for (std::int32_t j = 0; j < np - 1; ++j) order.push_back(j);
       std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return ub[mt][a] > ub[mt][b]; });
@@ -261,6 +341,7 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
   row.visited_box = visited(sk::SketchMethod::kBox, true);
   row.visited_strict = visited(sk::SketchMethod::kFD, true);
   row.visited_jl = visited(sk::SketchMethod::kJL, false);
+  row.visited_rbox = visited(sk::SketchMethod::kRotBox, true);
   return row;
 }
 
@@ -331,10 +412,12 @@ void timing(const Trace& t, std::int32_t m, std::int32_t l, int reps) {
                       {"strict box g=1, score budget 1", sk::SketchMethod::kBox, true, 1, 1},
                       {"strict FD g=1", sk::SketchMethod::kFD, true, 1, 0},
                       {"strict FD g=1, score budget 1", sk::SketchMethod::kFD, true, 1, 1},
+                      {"strict rbox g=1", sk::SketchMethod::kRotBox, true, 1, 0},
+                      {"strict rbox g=1, score budget 1", sk::SketchMethod::kRotBox, true, 1, 1},
                       {"strict box g=4", sk::SketchMethod::kBox, true, 4, 0},
                       {"default JL g=1 (alpha 1.1)", sk::SketchMethod::kJL, false, 1, 0},
                       {"default 1-PC g=1 (alpha 1.1)", sk::SketchMethod::kOnePC, false, 1, 0}};
-  double sync_s = 0;
+  double sync_s = 0, sync_rbox = 0;
   for (const Cfg& c : cfgs) {
     sk::SketchParams sp;
     sp.method = c.method;
@@ -347,6 +430,7 @@ void timing(const Trace& t, std::int32_t m, std::int32_t l, int reps) {
     sk::SketchStore st(sp, 1, 1, t.d, t.P, np);
     const double s1 = best_of(1, [&] { st.sync(0, view); });
     if (sync_s == 0) sync_s = s1;
+    if (c.method == sk::SketchMethod::kRotBox && sync_rbox == 0) sync_rbox = s1;
     sk::SketchSelector sel(st);
     sel.reserve(1, 1, np);
     sk::SketchTelemetry tel;
@@ -362,8 +446,9 @@ void timing(const Trace& t, std::int32_t m, std::int32_t l, int reps) {
                 np, static_cast<long long>(tel.groups_scored), pre * 1e3, pre / dense, sub * 1e3,
                 (sub_bytes / sub) / (dense_bytes / dense));
   }
-  std::printf("(summarising all %d tokens once: %.1f ms, %.2f us/token/head, all five summaries)\n", t.n, sync_s * 1e3,
-              sync_s / t.n * 1e6);
+  std::printf("(summarising all %d tokens once: %.1f ms, %.2f us/token/head, all five summaries; with the rotated box "
+              "(rbox, basis fit included) %.1f ms, %.2f us/token/head)\n", t.n, sync_s * 1e3, sync_s / t.n * 1e6,
+              sync_rbox * 1e3, sync_rbox / t.n * 1e6);
   {
     // GQA: 4 query heads on the one kv head; the box is read once for the four.
     const std::int32_t G = 4;
@@ -453,7 +538,7 @@ std::vector<Trace> stories_traces(const std::string& path, int steps, std::int32
 
 void print_rows(const std::vector<Row>& rows, const char* title) {
   std::printf("\n### %s\n\npages read for 100%% recall of the top-10 tokens (mean over queries; the last page always counts)\n\n", title);
-  std::printf("| trace | pages | box (Quest) | strict min(box,norm,FD) | FD | JL est. | 1-PC est. |\n|---|---|---|---|---|---|---|\n");
+  std::printf("| trace | pages | box (Quest) | strict min(box,norm,FD) | FD | JL est. | 1-PC est. | rbox min(box,norm,rot) |\n|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     std::printf("| %s | %d |", r.trace.c_str(), r.pages);
     for (double x : r.recall_pages) std::printf(" %.1f |", x / r.queries);
@@ -462,7 +547,7 @@ void print_rows(const std::vector<Row>& rows, const char* title) {
   for (int bi = 0; bi < 3; ++bi) {
     std::printf("\nattention-output relative error (float64), last page + top pages, budget %.0f %% of pages (mean over queries)\n\n",
                 kBudgets[bi] * 100);
-    std::printf("| trace | box (Quest) | strict | FD | JL est. | 1-PC est. |\n|---|---|---|---|---|---|\n");
+    std::printf("| trace | box (Quest) | strict | FD | JL est. | 1-PC est. | rbox |\n|---|---|---|---|---|---|---|\n");
     for (const Row& r : rows) {
       std::printf("| %s |", r.trace.c_str());
       for (double x : r.err[bi]) std::printf(" %.2e |", x / r.queries);
@@ -470,21 +555,64 @@ void print_rows(const std::vector<Row>& rows, const char* title) {
     }
   }
   std::printf("\ncertified pre-pass, eps = 1e-3 (pages visited, mean per query): box-only vs strict (min(box,norm,FD)); default-mode JL (alpha 1.1) for reference\n\n");
-  std::printf("| trace | pages | box-only strict | strict FD | box / strict | default JL |\n|---|---|---|---|---|---|\n");
-  std::vector<double> ratios;
+  std::printf("| trace | pages | box-only strict | strict FD | box / strict | default JL | strict rbox | box / rbox |\n|---|---|---|---|---|---|---|---|\n");
+  std::vector<double> ratios, rratios;
   for (const Row& r : rows) {
     const double ratio = r.visited_box / std::max(1.0, r.visited_strict);
+    const double rratio = r.visited_box / std::max(1.0, r.visited_rbox);
     ratios.push_back(ratio);
-    std::printf("| %s | %d | %.1f | %.1f | %.2f | %.1f |\n", r.trace.c_str(), r.pages, r.visited_box / r.queries,
-                r.visited_strict / r.queries, ratio, r.visited_jl / r.queries);
+    rratios.push_back(rratio);
+    std::printf("| %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.3f |\n", r.trace.c_str(), r.pages, r.visited_box / r.queries,
+                r.visited_strict / r.queries, ratio, r.visited_jl / r.queries, r.visited_rbox / r.queries, rratio);
   }
   std::sort(ratios.begin(), ratios.end());
+  std::sort(rratios.begin(), rratios.end());
   if (!ratios.empty()) {
-    std::int64_t worse = 0;
-    for (const Row& r : rows) worse += r.visited_strict > r.visited_box ? 1 : 0;
+    std::int64_t worse = 0, rworse = 0;
+    for (const Row& r : rows) {
+      worse += r.visited_strict > r.visited_box ? 1 : 0;
+      rworse += r.visited_rbox > r.visited_box ? 1 : 0;
+    }
     std::printf("\nmedian box/strict ratio %.2f; traces where strict visits more than box-only: %lld of %zu\n",
                 ratios[ratios.size() / 2], static_cast<long long>(worse), rows.size());
+    std::printf("median box/rbox ratio %.3f; traces where rbox visits more than box-only: %lld of %zu\n",
+                rratios[rratios.size() / 2], static_cast<long long>(rworse), rows.size());
   }
+  // Candidate bounds in the same walk (single query head, last page always read): pages
+  // visited per query, median over traces of (box+norm pages) / (candidate pages).
+  std::printf("\ncandidate bounds, certified eps walk (pages visited, mean per query; oracle = the true max logit per page, "
+              "the best any max-logit bound can do); mean slack s*(U - max logit) in nats\n\n| eps | metric |");
+  for (const char* n : kWalkNames) std::printf(" %s |", n);
+  std::printf("\n|---|---|");
+  for (int b = 0; b < kWalkBounds; ++b) std::printf("---|");
+  std::printf("\n");
+  for (int e = 0; e < 3; ++e) {
+    double med_pages[kWalkBounds], med_ratio[kWalkBounds];
+    for (int b = 0; b < kWalkBounds; ++b) {
+      std::vector<double> v, rr;
+      for (const Row& r : rows) {
+        v.push_back(r.walk[e][b] / r.queries);
+        rr.push_back(r.walk[e][0] / std::max(1.0, r.walk[e][b]));
+      }
+      std::sort(v.begin(), v.end());
+      std::sort(rr.begin(), rr.end());
+      med_pages[b] = v[v.size() / 2];
+      med_ratio[b] = rr[rr.size() / 2];
+    }
+    std::printf("| %g | median pages |", kWalkEps[e]);
+    for (double x : med_pages) std::printf(" %.1f |", x);
+    std::printf("\n| %g | median box/x |", kWalkEps[e]);
+    for (double x : med_ratio) std::printf(" %.3f |", x);
+    std::printf("\n");
+  }
+  std::printf("| - | median slack nats |");
+  for (int b = 0; b < 6; ++b) {
+    std::vector<double> v;
+    for (const Row& r : rows) v.push_back(r.slack_nats[b] / r.queries);
+    std::sort(v.begin(), v.end());
+    std::printf(" %.2f |", v[v.size() / 2]);
+  }
+  std::printf(" - |\n");
 }
 
 }  // namespace
@@ -512,6 +640,9 @@ int main(int argc, char** argv) {
   line("FD (centre + rows: 4 l d + 4 d + 12)", sb.fd, s64.fd, s8.fd);
   line("1-PC (int8 u1 + 3 floats)", sb.one_pc, s64.one_pc, s8.one_pc);
   line("all five", sb.total(), s64.total(), s8.total());
+  const sk::SummaryBytes r128 = sk::summary_bytes(128, m, l, true), r64 = sk::summary_bytes(64, m, l, true),
+                         r8 = sk::summary_bytes(8, m, l, true);
+  line("rotated box (rbox: 8 d + 4; + 4 d^2 basis per layer and kv head)", r128.rot, r64.rot, r8.rot);
 
   if (timing_only) {
     timing(synthetic_trace(small ? 4096 : 65536, 99, 1), m, l, small ? 2 : 7);

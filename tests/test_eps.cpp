@@ -288,6 +288,27 @@ TEST_CASE("eps: strict mode is sound over >= 1e6 random (query, page) pairs, flo
   REQUIRE(ch.visited < ch.total);
 }
 
+TEST_CASE("eps: strict rbox (min(box, norm, rotated box)) is sound over >= 1e6 random (query, page) pairs",
+          "[eps]") {
+  KVKIT_TEST_RNG(rng);
+  const std::int32_t per_round = kSanitized ? 2 : 36;
+  PropertyCounts cf, ch;
+  const double epss[3] = {1e-2, 1e-3, 1e-4};
+  for (int round = 0; round < 6; ++round) {
+    const double eps = epss[round % 3];
+    const std::int32_t group = round < 3 ? 1 : 2;
+    property_round<float>(rng, sk::SketchMethod::kRotBox, eps, group, per_round, cf);
+    property_round<half_t>(rng, sk::SketchMethod::kRotBox, eps, group, per_round, ch);
+  }
+  WARN("strict rbox soundness: " << cf.pairs << " float + " << ch.pairs << " half (query head, page) pairs, "
+                                 << cf.checks + ch.checks << " softmax checks; pages visited "
+                                 << double(cf.visited + ch.visited) / double(cf.total + ch.total) << " of all"
+                                 << (kSanitized ? " (sanitizer build: 18x fewer queries)" : ""));
+  if (!kSanitized) REQUIRE(cf.pairs + ch.pairs >= 1000000);
+  REQUIRE(cf.visited < cf.total);
+  REQUIRE(ch.visited < ch.total);
+}
+
 TEST_CASE("eps: a planted needle's page is always visited in strict mode", "[eps]") {
   KVKIT_TEST_RNG(rng);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -312,7 +333,7 @@ TEST_CASE("eps: a planted needle's page is always visited in strict mode", "[eps
     for (std::int32_t c = 0; c < d; ++c) pool.view.k_ptr(0, needle, 0)[c] = 4.f * dir[c] + 0.05f * nd(rng);
     std::vector<float> q(d);
     for (std::int32_t c = 0; c < d; ++c) q[c] = 30.f * dir[c] + 0.2f * nd(rng);
-    for (sk::SketchMethod m : {sk::SketchMethod::kBox, sk::SketchMethod::kFD}) {
+    for (sk::SketchMethod m : {sk::SketchMethod::kBox, sk::SketchMethod::kFD, sk::SketchMethod::kRotBox}) {
       sk::SketchParams p;
       p.method = m;
       p.eps = 1e-3;

@@ -252,7 +252,7 @@ TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound cer
 #endif
   for (int round = 0; round < 20; ++round) {
     for (float& x : q) x = 2.f * nd(rng);
-    for (sk::SketchMethod m : {sk::SketchMethod::kBox, sk::SketchMethod::kFD}) {
+    for (sk::SketchMethod m : {sk::SketchMethod::kBox, sk::SketchMethod::kFD, sk::SketchMethod::kRotBox}) {
       sk::SketchParams p;
       p.method = m;
       p.eps = 1e-2;
