@@ -52,6 +52,7 @@
 #include "engine/engine.hpp"
 #include "engine/policy.hpp"
 #include "kvkit/channel/kvchan.hpp"
+#include "kvkit/channel/pack_pages.hpp"
 #include "kvkit/channel/packed_store.hpp"
 
 namespace kvkit {
@@ -516,23 +517,40 @@ class KvchanPolicy : public EnginePolicy {
       }
   }
 
-  // Gathers one full-width token row pair into packed page (page, slot) for all layers/heads.
-  template <class RowK, class RowV>
-  void pack_token(SeqState& st, std::int32_t page, std::int32_t slot, RowK&& krow, RowV&& vrow) {
-    const std::int32_t D = sel_->head_dim();
-    for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
-      for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
-        const float* k = krow(l, h);
-        const float* v = vrow(l, h);
-        channel::pack_channels(k, 0, sel_->packed_k(l) + h * sel_->r_k(), sel_->r_k(), 1,
-                               packed_->k_row(l, page, slot, h), 0);
-        channel::pack_channels(v, 0, sel_->packed_v(l) + h * sel_->r_v(), sel_->r_v(), 1,
-                               packed_->v_row(l, page, slot, h), 0);
-        if (opt_.params.mean_compensation)
-          for (std::int32_t d = 0; d < D; ++d) st.v_sum[vidx(l, h) + d] += v[d];
-        if (opt_.params.k_compensation)
-          for (std::int32_t d = 0; d < D; ++d) st.k_sum[vidx(l, h) + d] += k[d];
-      }
+  // Storage-only view of layer l of a policy pool (page table empty).
+  static PagedKVView<float> pool_view(channel::PackedPagePool<float>& pool, std::int32_t l) {
+    static const std::int32_t kZero[1] = {0};
+    return make_csr_view(pool.geometry(), pool.k(l), pool.k_strides(), pool.v(l), pool.v_strides(),
+                         CsrPageTable{kZero, nullptr, nullptr, 0});
+  }
+
+  // Packs n tokens of full-width pages src (layer l's storage: full_of(l)) into packed
+  // pages dst with the frozen sets, all layers (pack_channel_pages); with compensation,
+  // adds their V (and K) rows to the sums first, token by token.
+  template <class FullOf>
+  void pack_pages(SeqState& st, FullOf&& full_of, const std::vector<std::int32_t>& src,
+                  const std::vector<std::int32_t>& dst, std::int32_t n) {
+    const std::int32_t D = sel_->head_dim(), P = packed_->page_size();
+    for (std::int32_t l = 0; l < sel_->n_layers(); ++l) {
+      const PagedKVView<float> full = full_of(l);
+      if (opt_.params.mean_compensation || opt_.params.k_compensation)
+        for (std::int32_t t = 0; t < n; ++t)
+          for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
+            const std::int32_t page = src[static_cast<std::size_t>(t / P)];
+            if (opt_.params.mean_compensation) {
+              const float* v = full.v_data + full.v_offset(page, t % P, h);
+              for (std::int32_t d = 0; d < D; ++d) st.v_sum[vidx(l, h) + d] += v[d];
+            }
+            if (opt_.params.k_compensation) {
+              const float* kr = full.k_data + full.k_offset(page, t % P, h);
+              for (std::int32_t d = 0; d < D; ++d) st.k_sum[vidx(l, h) + d] += kr[d];
+            }
+          }
+      const Status s = channel::pack_channel_pages(eng_->model().exec(), full, pool_view(*packed_, l),
+                                                   sel_->packed_k(l), sel_->packed_v(l), src.data(), dst.data(),
+                                                   static_cast<std::int32_t>(src.size()), n);
+      if (!s.is_ok()) fail("kvchan: packing pages failed: ", s.to_string());
+    }
   }
 
   void ensure_sums(SeqState& st) {
@@ -543,19 +561,14 @@ class KvchanPolicy : public EnginePolicy {
 
   // Old tokens in the full-width pool -> packed with the current (frozen) sets.
   void repack(SeqState& st) {
-    const std::int32_t P = packed_->page_size();
     ensure_sums(st);
     std::fill(st.v_sum.begin(), st.v_sum.end(), 0.0);
     std::fill(st.k_sum.begin(), st.k_sum.end(), 0.0);
-    for (std::size_t i = 0; i < st.pages.size(); ++i) {
-      const std::int32_t src = st.pages[i], dst = packed_->allocate();
-      const std::int32_t n = std::min(P, st.n_old - static_cast<std::int32_t>(i) * P);
-      for (std::int32_t s = 0; s < n; ++s)
-        pack_token(st, dst, s, [&](std::int32_t l, std::int32_t h) { return full_->k_row(l, src, s, h); },
-                   [&](std::int32_t l, std::int32_t h) { return full_->v_row(l, src, s, h); });
-      full_->release(src);
-      st.pages[i] = dst;
-    }
+    std::vector<std::int32_t> dst(st.pages.size());
+    for (std::int32_t& p : dst) p = packed_->allocate();
+    pack_pages(st, [&](std::int32_t l) { return pool_view(*full_, l); }, st.pages, dst, st.n_old);
+    for (std::int32_t p : st.pages) full_->release(p);
+    st.pages = dst;
     st.packed = true;
     refresh_means(st);
   }
@@ -563,21 +576,17 @@ class KvchanPolicy : public EnginePolicy {
   // Packed old tokens -> full width (dropped K dims 0 or their mean; V dims 0 or the mean).
   void unpack(SeqState& st) {
     if (!st.packed) return;
-    const std::int32_t P = packed_->page_size(), D = sel_->head_dim();
-    for (std::size_t i = 0; i < st.pages.size(); ++i) {
-      const std::int32_t src = st.pages[i], dst = full_->allocate();
-      const std::int32_t n = std::min(P, st.n_old - static_cast<std::int32_t>(i) * P);
-      for (std::int32_t s = 0; s < n; ++s)
-        for (std::int32_t l = 0; l < sel_->n_layers(); ++l)
-          for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
-            channel::unpack_channels(packed_->k_row(l, src, s, h), 0, sel_->packed_k(l) + h * sel_->r_k(),
-                                     sel_->r_k(), D, 1, k_fill_of(st, l, h), full_->k_row(l, dst, s, h), 0);
-            channel::unpack_channels(packed_->v_row(l, src, s, h), 0, sel_->packed_v(l) + h * sel_->r_v(),
-                                     sel_->r_v(), D, 1, v_fill_of(st, l, h), full_->v_row(l, dst, s, h), 0);
-          }
-      packed_->release(src);
-      st.pages[i] = dst;
+    std::vector<std::int32_t> dst(st.pages.size());
+    for (std::int32_t& p : dst) p = full_->allocate();
+    for (std::int32_t l = 0; l < sel_->n_layers(); ++l) {
+      const Status s = channel::unpack_channel_pages(eng_->model().exec(), pool_view(*packed_, l), pool_view(*full_, l),
+                                                     sel_->packed_k(l), sel_->packed_v(l), k_fill_of(st, l, 0),
+                                                     v_fill_of(st, l, 0), st.pages.data(), dst.data(),
+                                                     static_cast<std::int32_t>(dst.size()), st.n_old);
+      if (!s.is_ok()) fail("kvchan: unpacking pages failed: ", s.to_string());
     }
+    for (std::int32_t p : st.pages) packed_->release(p);
+    st.pages = dst;
     st.packed = false;
     st.v_sum.clear();
     st.v_mean.clear();
@@ -594,26 +603,24 @@ class KvchanPolicy : public EnginePolicy {
     const std::int32_t n_pack = (len - W) / P * P, shift = n_pack / P;
     KVKIT_CHECK(st.n_old % P == 0, "kvchan: internal: old tokens ", st.n_old, " not page aligned");
     eng.make_exclusive(id);
-    const std::vector<SeqId> ids = eng.sequences();
-    const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
-    const std::vector<PagedKVView<float>>& views = eng.layer_views();
     ensure_sums(st);
-    for (std::int32_t j = 0; j < shift; ++j) {
-      const std::int32_t dst = packed_->allocate();
-      for (std::int32_t s = 0; s < P; ++s) {
-        const std::int32_t e = j * P + s;
-        pack_token(st, dst, s, [&](std::int32_t l, std::int32_t h) { return views[static_cast<std::size_t>(l)].k_ptr(b, e, h); },
-                   [&](std::int32_t l, std::int32_t h) { return views[static_cast<std::size_t>(l)].v_ptr(b, e, h); });
-      }
-      st.pages.push_back(dst);
-    }
+    static const std::int32_t kZero[1] = {0};
+    const std::vector<std::int32_t> pages = eng.pages(id);
+    const std::vector<std::int32_t> src(pages.begin(), pages.begin() + shift);
+    std::vector<std::int32_t> dst(static_cast<std::size_t>(shift));
+    for (std::int32_t& p : dst) p = packed_->allocate();
+    pack_pages(st,
+               [&](std::int32_t l) {
+                 return make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
+                                      CsrPageTable{kZero, nullptr, nullptr, 0});
+               },
+               src, dst, n_pack);
+    st.pages.insert(st.pages.end(), dst.begin(), dst.end());
     st.n_old += n_pack;
     st.packed = true;
     refresh_means(st);
     // Window pages down by `shift` (one pair per call: a destination may be a later source).
-    const std::vector<std::int32_t> pages = eng.pages(id);
     const std::int32_t keep = static_cast<std::int32_t>(pages.size()) - shift;
-    static const std::int32_t kZero[1] = {0};
     for (std::int32_t l = 0; l < eng.config().n_layers; ++l) {
       const PagedKVView<float> pv = make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
                                                   eng.strides(), CsrPageTable{kZero, nullptr, nullptr, 0});

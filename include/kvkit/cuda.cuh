@@ -2,7 +2,8 @@
 // Umbrella header for CUDA code: everything <kvkit/kvkit.hpp> offers plus the CUDA
 // backend of the core KV operations (exec::Cuda overloads of write_kv,
 // paged_decode_attention, merge_attention_states, gather_tokens, compact_tokens and
-// copy_pages), the exec::Cuda select of the Compressor policies (compressor/r1kv.hpp,
+// copy_pages), kvchan's page pack / unpack (channel/pack_pages.hpp,
+// kernels/cuda/kvchan_pack.cuh), the exec::Cuda select of the Compressor policies (compressor/r1kv.hpp,
 // kernels/cuda/r1kv.cuh) and DeviceStatus with reset_device_status / read_device_status /
 // to_status.
 // This is the only header that reaches kernels/cuda; compile it with nvcc and link
@@ -28,4 +29,5 @@
 #include "kvkit/kernels/cuda/attention.cuh"
 #include "kvkit/kernels/cuda/gather.cuh"
 #include "kvkit/kernels/cuda/copy_pages.cuh"
+#include "kvkit/kernels/cuda/kvchan_pack.cuh"
 #include "kvkit/kernels/cuda/r1kv.cuh"

@@ -69,6 +69,10 @@ enum class DeviceCheck : std::int32_t {
   kVChannel,       // decode: v_channels[`head`, `pos`] = `value` outside [0, `bound`)
   kScoresStride,   // decode: seq_len `value` of `seq` > scores_stride `bound`
   kNonFiniteScore, // compressor: kv head `head` has a non-finite score at candidate `pos`
+  kPackChannel,    // kvchan pack: channel `value` of (`head`, `pos`) outside [0, `bound`);
+                   //   `seq` 0: k_channels, 1: v_channels
+  kPackChannelOrder, // kvchan pack: channel `value` of (`head`, `pos`) not above the
+                     //   previous entry `bound`; `seq` as kPackChannel
 };
 
 /// Device-side error word the CUDA kernels report bad device-resident input to. The
@@ -165,6 +169,14 @@ inline Status to_status(const DeviceStatus& s) {
     case DeviceCheck::kNonFiniteScore:
       return make_status(code, "compressor: kv head ", s.head,
                          " has non-finite scores (NaN or inf in keys or queries)");
+    case DeviceCheck::kPackChannel:
+      return make_status(code, s.seq == 0 ? "k_channels" : "v_channels", " entry ", s.value,
+                         " of head ", s.head, " channel ", s.pos, " out of range [0, ", s.bound, ")");
+    case DeviceCheck::kPackChannelOrder:
+      return make_status(code, s.seq == 0 ? "k_channels" : "v_channels", " entry ", s.value,
+                         " of head ", s.head, " channel ", s.pos,
+                         " is not above the previous entry ", s.bound,
+                         ": channel sets must be strictly ascending");
     case DeviceCheck::kNone: break;
   }
   return make_status(code, "device check ", s.check, " failed on value ", s.value);
