@@ -433,9 +433,11 @@ TEST_CASE("SmolLM2: quantized decode is bitwise identical on 1 and 2 threads", "
 TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thread count bit for bit", "[quant][parallel]") {
   KVKIT_TEST_RNG(rng);
   INFO("path " << quant_isa());
-  for (QuantFormat f : kAll) {
-    INFO("format " << quant_format_name(f));
-    const int cols = 96;
+  // SIMD paths block 2 (AVX-512) or 1 (AVX2) rows x 4 tokens over 2-block vectors: odd and
+  // even block counts (1, 2, 3, 5 blocks), and row and token counts that leave tails.
+  for (QuantFormat f : kAll)
+  for (const int cols : {32, 64, 96, 160}) {
+    INFO("format " << quant_format_name(f) << " cols " << cols);
     const int row_counts[3] = {1, 33, 77};
     std::vector<std::vector<unsigned char>> bytes;
     std::vector<QMatrix> ws;
@@ -443,7 +445,7 @@ TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thre
       bytes.push_back(random_matrix(f, rows, cols, rng));
       ws.push_back(QMatrix::make(f, rows, cols, bytes.back().data()));
     }
-    for (std::int32_t T : {1, 7, 64, 130}) {  // one, a partial, exactly one and several token blocks
+    for (std::int32_t T : {1, 6, 7, 64, 130}) {  // one, partial, exactly one and several token blocks
       INFO("tokens " << T);
       std::vector<float> x;
       for (std::int32_t t = 0; t < T; ++t) {
