@@ -605,7 +605,10 @@ inline constexpr std::int32_t kTokensPerTask = 64;
 /// of kTokensPerTask tokens), a split fixed by the shape: the rows of a task (a few KB of
 /// quantized blocks) stay in cache while every token of its block passes over them, so the
 /// weights are streamed from memory about once per kTokensPerTask tokens instead of once
-/// per token, and outputs are bitwise identical for any thread count. Allocation-free.
+/// per token, and outputs are bitwise identical for any thread count. Within a task each
+/// weight block is unpacked once for several tokens: register blocks of 2 (AVX-512 VNNI) or
+/// 1 (AVX2) rows x 4 tokens on the SIMD paths (qdetail::row_dot_block), all the task's
+/// tokens on the portable path. Allocation-free.
 inline void quant_matmul(exec::Host ex, const QMatvecOut* outs /* [n] */, int n,
                          const QActivation* acts /* [T] */, std::int32_t T) {
   struct Job {
