@@ -242,19 +242,19 @@ namespace {
 
 constexpr int kOddCols = 96;
 
-// Runs body(ws) for every format on three fresh random [rows, kOddCols] matrices of it with
+// Runs body(ws) for every format on three fresh random [rows, cols] matrices of it with
 // 1, 33 and 77 rows (odd counts: uneven per-thread row ranges), as a fused QKV-style product
 // takes them. INFO names the SIMD path and the format.
 template <class Body>
-void for_each_format(std::mt19937_64& rng, Body&& body) {
+void for_each_format(std::mt19937_64& rng, int cols, Body&& body) {
   INFO("path " << quant_isa());
   for (QuantFormat f : kAll) {
-    INFO("format " << quant_format_name(f));
+    INFO("format " << quant_format_name(f) << " cols " << cols);
     std::vector<std::vector<unsigned char>> bytes;
     std::vector<QMatrix> ws;  // [3], pointing into bytes
     for (int rows : {1, 33, 77}) {
-      bytes.push_back(random_matrix(f, rows, kOddCols, rng));
-      ws.push_back(QMatrix::make(f, rows, kOddCols, bytes.back().data()));
+      bytes.push_back(random_matrix(f, rows, cols, rng));
+      ws.push_back(QMatrix::make(f, rows, cols, bytes.back().data()));
     }
     body(static_cast<const std::vector<QMatrix>&>(ws));
   }
@@ -264,8 +264,8 @@ void for_each_format(std::mt19937_64& rng, Body&& body) {
 
 TEST_CASE("quant_matvec: odd row counts, fused matrices, any thread count bit for bit", "[quant][parallel]") {
   KVKIT_TEST_RNG(rng);
-  for_each_format(rng, [&](const std::vector<QMatrix>& ws) {
-    const int cols = kOddCols;
+  const int cols = kOddCols;
+  for_each_format(rng, cols, [&](const std::vector<QMatrix>& ws) {
     const std::vector<float> x = random_activation(cols, rng);
     std::vector<Q8Act> q(cols / 32);
     quantize_activation(x.data(), cols, q.data());
@@ -467,9 +467,11 @@ TEST_CASE("SmolLM2: quantized decode is bitwise identical on 1 and 2 threads", "
 
 TEST_CASE("quant_matmul: each token's column is quant_matvec's product, any thread count bit for bit", "[quant][parallel]") {
   KVKIT_TEST_RNG(rng);
-  for_each_format(rng, [&](const std::vector<QMatrix>& ws) {
-    const int cols = kOddCols;
-    for (std::int32_t T : {1, 7, 64, 130}) {  // one, a partial, exactly one and several token blocks
+  // SIMD paths block 2 (AVX-512) or 1 (AVX2) rows x 4 tokens over 2-block vectors: odd and
+  // even block counts (1, 2, 3, 5 blocks), and row and token counts that leave tails.
+  for (const int cols : {32, 64, 96, 160})
+  for_each_format(rng, cols, [&](const std::vector<QMatrix>& ws) {
+    for (std::int32_t T : {1, 6, 7, 64, 130}) {  // one, partial, exactly one and several token blocks
       INFO("tokens " << T);
       std::vector<float> x;
       for (std::int32_t t = 0; t < T; ++t) {

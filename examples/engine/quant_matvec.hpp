@@ -399,6 +399,157 @@ inline float row_dot(const QMatrix& w, std::int32_t r, const QActivation& a) {
 #endif
 }
 
+#if !defined(KVKIT_QMV_SCALAR)
+namespace qdetail {
+
+// Rows per register block of quant_matmul's SIMD path (AVX-512 has 32 vector registers:
+// 2 rows x kMmTokens tokens of accumulators fit; AVX2's 16 hold one row's).
+#if defined(KVKIT_QMV_VNNI)
+inline constexpr int kMmRows = 2;
+#else
+inline constexpr int kMmRows = 1;
+#endif
+// Tokens per register block of quant_matmul's SIMD path.
+inline constexpr int kMmTokens = 4;
+
+// y[k * ldy + i] = row_dot(w, r0 + i, acts[k]) for i < NR, k < NT, bit for bit: each weight
+// block is loaded and unpacked once (nibbles, |w| and sign mask, fp16 scales) and dotted
+// with NT tokens' blocks, and each activation block with NR rows. Per (row, token) the
+// float operations are row_dot's in its order: the same per-lane accumulators over the
+// same blocks (the scale products dw * d are the same single float products, taken lane
+// by lane), the same horizontal sum, then + extra. The integer sums are exact.
+template <int NR, int NT>
+inline void row_dot_block(const QMatrix& w, std::int32_t r0, const QActivation* acts /* [NT] */,
+                          float* y /* [(NT - 1) * ldy + NR] */, std::size_t ldy) {
+  const std::int32_t nb = w.cols / 32;
+  const Q8Act* q[NT];
+  for (int k = 0; k < NT; ++k) q[k] = acts[k].q;
+  const unsigned char* p[NR];
+  for (int i = 0; i < NR; ++i) p[i] = w.row(r0 + i);
+  __m256 acc0[NR][NT], acc1[NR][NT];
+  float extra[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int k = 0; k < NT; ++k) {
+      acc0[i][k] = _mm256_setzero_ps();
+      acc1[i][k] = _mm256_setzero_ps();
+      extra[i][k] = 0.f;
+    }
+  std::int32_t b = 0;
+  const int bb = quant_block_bytes(w.format);
+#if defined(KVKIT_QMV_VNNI)
+  // Two blocks per 512-bit vector, as row_dot: acc (16 lanes) over the pairs, folded into
+  // acc0; the odd last block goes to acc0 below.
+  {
+    __m512 acc[NR][NT];
+    for (int i = 0; i < NR; ++i)
+      for (int k = 0; k < NT; ++k) acc[i][k] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+      __m512i av[NT];
+      __m512 dv[NT];
+      for (int k = 0; k < NT; ++k) {
+        av[k] = join(load_act(q[k][b]), load_act(q[k][b + 1]));
+        dv[k] = _mm512_insertf32x8(_mm512_set1_ps(q[k][b].d), _mm256_set1_ps(q[k][b + 1].d), 1);
+      }
+      for (int i = 0; i < NR; ++i) {
+        const unsigned char* pb = p[i] + static_cast<std::size_t>(b) * bb;
+        const unsigned char* pc = pb + bb;
+        const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(detail::f16_at(pb)), _mm256_set1_ps(detail::f16_at(pc)), 1);
+        if (w.format == QuantFormat::kQ4_1) {
+          const __m512i wv = join(nibbles(pb + 4), nibbles(pc + 4));
+          const float m0 = detail::f16_at(pb + 2), m1 = detail::f16_at(pc + 2);
+          for (int k = 0; k < NT; ++k) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, av[k]);
+            acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, dv[k]), acc[i][k]);
+            extra[i][k] += m0 * q[k][b].s + m1 * q[k][b + 1].s;
+          }
+        } else {
+          const __m512i wv = w.format == QuantFormat::kQ8_0
+                                 ? join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 2)),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + 2)))
+                                 : join(nibbles_q4_0(pb + 2), nibbles_q4_0(pc + 2));
+          const __mmask64 neg = _mm512_movepi8_mask(wv);
+          const __m512i wabs = _mm512_abs_epi8(wv);
+          for (int k = 0; k < NT; ++k) {
+            const __m512i as = _mm512_mask_sub_epi8(av[k], neg, _mm512_setzero_si512(), av[k]);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, as);
+            acc[i][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, dv[k]), acc[i][k]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int k = 0; k < NT; ++k)
+        acc0[i][k] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][k]), _mm512_extractf32x8_ps(acc[i][k], 1));
+  }
+#else
+  // One block per 256-bit vector, as row_dot: Q8_0 and Q4_1 pairs to (acc0, acc1), Q4_0
+  // even blocks to acc0 and odd ones to acc1; the odd last block goes to acc0 below.
+  for (; b + 2 <= nb; b += 2) {
+    __m256i a0[NT], a1[NT];
+    for (int k = 0; k < NT; ++k) {
+      a0[k] = load_act(q[k][b]);
+      a1[k] = load_act(q[k][b + 1]);
+    }
+    for (int i = 0; i < NR; ++i) {
+      const unsigned char* pb = p[i] + static_cast<std::size_t>(b) * bb;
+      const unsigned char* pc = pb + bb;
+      const float dw0 = detail::f16_at(pb), dw1 = detail::f16_at(pc);
+      if (w.format == QuantFormat::kQ4_1) {
+        const __m256i w0 = nibbles(pb + 4), w1 = nibbles(pc + 4);
+        const float m0 = detail::f16_at(pb + 2), m1 = detail::f16_at(pc + 2);
+        for (int k = 0; k < NT; ++k) {
+          const __m256i i0 = dot_us(w0, a0[k]), i1 = dot_us(w1, a1[k]);
+          acc0[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(dw0 * q[k][b].d), acc0[i][k]);
+          acc1[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(dw1 * q[k][b + 1].d), acc1[i][k]);
+          extra[i][k] += m0 * q[k][b].s + m1 * q[k][b + 1].s;
+        }
+      } else {
+        const __m256i w0 = w.format == QuantFormat::kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 2))
+                                                          : nibbles_q4_0(pb + 2);
+        const __m256i w1 = w.format == QuantFormat::kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + 2))
+                                                          : nibbles_q4_0(pc + 2);
+        const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+        for (int k = 0; k < NT; ++k) {
+          const __m256i i0 = dot_us(u0, _mm256_sign_epi8(a0[k], w0));
+          const __m256i i1 = dot_us(u1, _mm256_sign_epi8(a1[k], w1));
+          acc0[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(dw0 * q[k][b].d), acc0[i][k]);
+          acc1[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(dw1 * q[k][b + 1].d), acc1[i][k]);
+        }
+      }
+    }
+  }
+#endif
+  if (b < nb) {  // the odd last block (b even): acc0 on every path and format
+    for (int i = 0; i < NR; ++i) {
+      const unsigned char* pb = p[i] + static_cast<std::size_t>(b) * bb;
+      const float dw = detail::f16_at(pb);
+      if (w.format == QuantFormat::kQ4_1) {
+        const __m256i w0 = nibbles(pb + 4);
+        const float m = detail::f16_at(pb + 2);
+        for (int k = 0; k < NT; ++k) {
+          const __m256i i0 = dot_us(w0, load_act(q[k][b]));
+          acc0[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(dw * q[k][b].d), acc0[i][k]);
+          extra[i][k] += m * q[k][b].s;
+        }
+      } else {
+        const __m256i w0 = w.format == QuantFormat::kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 2))
+                                                          : nibbles_q4_0(pb + 2);
+        for (int k = 0; k < NT; ++k) {
+          const __m256i i0 = dot_ss(w0, load_act(q[k][b]));
+          acc0[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(dw * q[k][b].d), acc0[i][k]);
+        }
+      }
+    }
+  }
+  for (int k = 0; k < NT; ++k)
+    for (int i = 0; i < NR; ++i)
+      y[static_cast<std::size_t>(k) * ldy + static_cast<std::size_t>(i)] =
+          hsum_ps(_mm256_add_ps(acc0[i][k], acc1[i][k])) + extra[i][k];
+}
+
+}  // namespace qdetail
+#endif
+
 }  // namespace KVKIT_QMV_NS
 
 /// Rows per task of quant_matvec (fixed: the split depends on the shape only).
@@ -454,7 +605,10 @@ inline constexpr std::int32_t kTokensPerTask = 64;
 /// of kTokensPerTask tokens), a split fixed by the shape: the rows of a task (a few KB of
 /// quantized blocks) stay in cache while every token of its block passes over them, so the
 /// weights are streamed from memory about once per kTokensPerTask tokens instead of once
-/// per token, and outputs are bitwise identical for any thread count. Allocation-free.
+/// per token, and outputs are bitwise identical for any thread count. Within a task each
+/// weight block is unpacked once for several tokens: register blocks of 2 (AVX-512 VNNI) or
+/// 1 (AVX2) rows x 4 tokens on the SIMD paths (qdetail::row_dot_block), all the task's
+/// tokens on the portable path. Allocation-free.
 inline void quant_matmul(exec::Host ex, const QMatvecOut* outs /* [n] */, int n,
                          const QActivation* acts /* [T] */, std::int32_t T) {
   struct Job {
@@ -516,6 +670,29 @@ inline void quant_matmul(exec::Host ex, const QMatvecOut* outs /* [n] */, int n,
         }
         for (std::int32_t k = 0; k < nt; ++k)
           y[static_cast<std::size_t>(t0 + k) * static_cast<std::size_t>(w.rows) + r] = acc[k] + extra[k];
+      }
+      return;
+    }
+#else
+    if (w.format != QuantFormat::kF32 && w.format != QuantFormat::kF16) {
+      // SIMD paths: register blocks of kMmRows rows x kMmTokens tokens (row_dot_block), so
+      // each weight block is unpacked once per kMmTokens tokens; the last rows and tokens
+      // of a task that do not fill a block take the smaller forms. Bitwise row_dot.
+      using qdetail::kMmRows;
+      using qdetail::kMmTokens;
+      const std::size_t ld = static_cast<std::size_t>(w.rows);
+      std::int32_t tok = t0;
+      for (; tok + kMmTokens <= t1; tok += kMmTokens) {
+        float* yt = y + static_cast<std::size_t>(tok) * ld;
+        std::int32_t r = r0;
+        for (; r + kMmRows <= r1; r += kMmRows) qdetail::row_dot_block<kMmRows, kMmTokens>(w, r, j.acts + tok, yt + r, ld);
+        for (; r < r1; ++r) qdetail::row_dot_block<1, kMmTokens>(w, r, j.acts + tok, yt + r, ld);
+      }
+      for (; tok < t1; ++tok) {
+        float* yt = y + static_cast<std::size_t>(tok) * ld;
+        std::int32_t r = r0;
+        for (; r + kMmRows <= r1; r += kMmRows) qdetail::row_dot_block<kMmRows, 1>(w, r, j.acts + tok, yt + r, ld);
+        for (; r < r1; ++r) yt[r] = row_dot(w, r, j.acts[tok]);
       }
       return;
     }
