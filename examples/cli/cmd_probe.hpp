@@ -4,7 +4,9 @@
 // every selection update (every --T-update tokens) one JSON line per (layer, kv head):
 //   {"prompt": i, "step": s, "update": u, "layer": l, "head": h, "k_top": [...],
 //    "v_top": [...], "retention_k": x, "retention_v": x, "stable_updates": n,
-//    "stable": bool, "k_score": [...], "v_ema": [...]}
+//    "stable": bool, "k_score": [...], "v_score": [...], "v_ema": [...]}
+// (k_score / v_score: the scores the top sets are chosen by under --kvchan-score; v_ema: the
+// |v| EMA, equal to v_score except under centered, where v_score is Var[v_d]).
 // then one {"prompt": i, "summary": true, "stable_heads": n, "heads": N, "updates": u}.
 // Prompts: --prompt (repeatable; token ids for llama2.c models, text for GGUF, which is
 // wrapped as a ChatML user turn), or --suite FILE (examples/prompts/suite.json: the first
@@ -56,8 +58,8 @@ inline CLI::App* add_probe_command(CLI::App& app, ProbeOptions& o) {
       ->type_name("N")->check(CLI::Range(1, 1 << 20));
   p->add_option("--rK", o.r_k, "key dims of the top sets (default head_dim/2)")->type_name("N");
   p->add_option("--rV", o.r_v, "value dims of the top sets (default head_dim/2)")->type_name("N");
-  p->add_option("--kvchan-score", o.score, "key importance: ema (default) or think")
-      ->type_name("S")->check(CLI::IsMember({"ema", "think"}));
+  p->add_option("--kvchan-score", o.score, "importance: ema (default), think or centered (E[q^2] Var[k]; V by Var[v])")
+      ->type_name("S")->check(CLI::IsMember({"ema", "think", "centered"}));
   p->add_option("--kvchan-ema", o.ema, "EMA decay of the statistics, in [0, 1) (default 0.95)")->type_name("A");
   p->add_option("--page-size", o.page_size, "engine page size (default 16)")->type_name("N")->check(CLI::Range(1, 1 << 16));
   p->add_option("--threads", o.threads, "kernel threads (default 1)")->type_name("N")->check(CLI::Range(1, 64));
@@ -139,7 +141,9 @@ inline int run_probe(const ProbeOptions& o) {
     ko.params.n_stable = o.n_stable;
     ko.params.r_k = o.r_k != 0 ? o.r_k : std::max(1, c.head_dim() / 2);
     ko.params.r_v = o.r_v != 0 ? o.r_v : std::max(1, c.head_dim() / 2);
-    ko.params.score = o.score == "think" ? channel::ChannelScore::kThink : channel::ChannelScore::kEma;
+    ko.params.score = o.score == "think"      ? channel::ChannelScore::kThink
+                      : o.score == "centered" ? channel::ChannelScore::kCentered
+                                              : channel::ChannelScore::kEma;
     ko.params.check_every = 0;
     ko.params.ema_decay = static_cast<float>(o.ema);
     engine::KvchanPolicy pol(ko);
@@ -166,6 +170,8 @@ inline int run_probe(const ProbeOptions& o) {
           std::vector<float> ks(static_cast<std::size_t>(c.head_dim()));
           for (std::int32_t d = 0; d < c.head_dim(); ++d) ks[static_cast<std::size_t>(d)] = s.key_score(l, h, d);
           j["k_score"] = ks;
+          for (std::int32_t d = 0; d < c.head_dim(); ++d) ks[static_cast<std::size_t>(d)] = s.value_score(l, h, d);
+          j["v_score"] = ks;
           j["v_ema"] = std::vector<float>(s.ema_v(l, h), s.ema_v(l, h) + c.head_dim());
           out << j.dump() << "\n";
         }
