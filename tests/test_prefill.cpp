@@ -1,10 +1,10 @@
 // Batched prefill (examples/engine/prefill.hpp, Engine::prefill) against token-by-token
 // teacher forcing in the engine: after the prompt, the logits of the next step and every
-// cached K/V row agree to 1e-4 relative (max abs difference / max abs reference value), on
-// the synthetic model, stories260K and SmolLM2-135M-Instruct (the real ones when
-// KVKIT_MODEL_DIR holds them), with chunked passes, both page layouts, a prefill that
-// continues a cached prefix (append_tokens, a chat's next turn), a shared partly filled
-// page (copy-on-write) and the reclaim callback.
+// cached K/V row agree to 1e-4 relative (max abs difference / max abs reference value;
+// 1e-3 on SmolLM2's 30 layers, see there), on the synthetic model, stories260K and
+// SmolLM2-135M-Instruct (the real ones when KVKIT_MODEL_DIR holds them), with chunked
+// passes, both page layouts, a prefill that continues a cached prefix (append_tokens, a
+// chat's next turn), a shared partly filled page (copy-on-write) and the reclaim callback.
 
 #include <catch2/catch.hpp>
 
@@ -26,7 +26,6 @@
 using namespace kvkit;
 using namespace kvkit::engine;
 using kvkit::test::random_prompt;
-using kvkit::test::test_seed;
 namespace fs = std::filesystem;
 
 namespace {
@@ -114,7 +113,7 @@ Run batched(std::shared_ptr<const Checkpoint> ck, EngineOptions o, const std::ve
 }  // namespace
 
 TEST_CASE("batched prefill matches token-by-token teacher forcing (small models)", "[prefill]") {
-  std::mt19937_64 rng(test_seed());
+  KVKIT_TEST_RNG(rng);
   for (const NamedModel& m : small_models()) {
     for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
       for (std::int32_t page : {7, 16})
@@ -136,7 +135,7 @@ TEST_CASE("batched prefill matches token-by-token teacher forcing (small models)
 }
 
 TEST_CASE("Prefiller::run gives the last token's logits (tiled or decode-kernel attention)", "[prefill]") {
-  std::mt19937_64 rng(test_seed() + 3);
+  KVKIT_TEST_RNG(rng);
   for (const NamedModel& m : small_models()) {
     const auto prompt = random_prompt(45, m.ck->config().vocab_size, rng);
     EngineOptions o;
@@ -165,7 +164,7 @@ TEST_CASE("Prefiller::run gives the last token's logits (tiled or decode-kernel 
 }
 
 TEST_CASE("prefill continues a cached prefix (append_tokens) and copies a shared page", "[prefill]") {
-  std::mt19937_64 rng(test_seed() + 1);
+  KVKIT_TEST_RNG(rng);
   const auto ck = small_models().back().ck;
   const std::int32_t vocab = ck->config().vocab_size;
   const auto first = random_prompt(21, vocab, rng), second = random_prompt(30, vocab, rng);
@@ -250,25 +249,40 @@ TEST_CASE("batched prefill matches teacher forcing on SmolLM2-135M-Instruct", "[
     return;
   }
   const auto ck = std::make_shared<const Checkpoint>(load_gguf_checkpoint(kSmolPath));
-  std::mt19937_64 rng(test_seed() + 2);
+  KVKIT_TEST_RNG(rng);
   const auto prompt = random_prompt(70, ck->config().vocab_size, rng);
   EngineOptions o;
   o.max_batch = 1;
   o.num_pages = 8;
   o.quantized_matvec = false;  // float decode: the same math as the float prefill
   const Run a = stepwise(ck, o, prompt), b = batched(ck, o, prompt, 32);
-  CHECK(rel_err(b.logits, a.logits) < 1e-4);
-  CHECK(rel_err(b.kv, a.kv) < 1e-4);
-  CHECK(b.next == a.next);
+  // Both runs are float32 and differ only in summation order (GEMM vs matvec, tiled vs
+  // decode attention), but 30 layers amplify that unevenly: on random prompts SmolLM2 puts
+  // a massive activation on an early token, and its K/V rows in layers 12-29 then differ
+  // by up to ~1e-4 of the largest cached value while every other token stays near 1e-6.
+  // Measured over 111 fresh seeds: logits <= 5.3e-6, KV <= 1.0e-4 (plus 1.44e-4 in one CI
+  // run), so the bound is 1e-3. Indexing or position bugs give errors of order 1e-1.
+  const double logit_err = rel_err(b.logits, a.logits), kv_err = rel_err(b.kv, a.kv);
+  INFO("relative error: logits " << logit_err << ", KV " << kv_err);
+  CHECK(logit_err < 1e-3);
+  CHECK(kv_err < 1e-3);
+  // The greedy token may differ only where the top two logits are within the logit error.
+  if (b.next != a.next) {
+    const float scale = *std::max_element(a.logits.begin(), a.logits.end(), [](float x, float y) {
+      return std::abs(x) < std::abs(y);
+    });
+    CHECK(std::abs(a.logits[a.next] - a.logits[b.next]) <= 2 * logit_err * std::abs(scale));
+  }
   // Quantized (the default): prefill quantizes each token's activation and uses decode's
   // row dots, so it differs from quantized teacher forcing only by the tiled attention's
   // summation order (amplified by the 8-bit activation rounding of later layers).
   o.quantized_matvec = true;
   const Run qa = stepwise(ck, o, prompt), qb = batched(ck, o, prompt, 32);
-  const double e = rel_err(qb.logits, qa.logits);
-  WARN("SmolLM2: quantized prefill vs quantized teacher forcing: relative logit error " << e);
+  const double e = rel_err(qb.logits, qa.logits), eq = rel_err(qb.logits, b.logits);
+  WARN("SmolLM2 relative logit error: quantized prefill vs quantized teacher forcing " << e
+                                                                                      << ", vs float prefill " << eq);
   CHECK(e < 0.15);
-  CHECK(rel_err(qb.logits, b.logits) < 0.15);
+  CHECK(eq < 0.15);
   // Loaded without float projections (the CLI's default): the same quantized run, bit for bit.
   const auto qonly = std::make_shared<const Checkpoint>(load_gguf_checkpoint(kSmolPath, /*float_projections=*/false));
   CHECK_FALSE(qonly->has_float_projections());
