@@ -26,7 +26,12 @@
 //    At most 32 evenly spaced decode steps of the second half are evaluated.
 //    Options: --kvkit_window=W (32), --kvkit_steps=N decode steps (64), --kvkit_prompts=
 //    KIND of the suite (code; long_doc for the long documents), --kvkit_max_prompts=N (3),
-//    --kvkit_smol_only (skip the synthetic and stories260K traces).
+//    --kvkit_smol_only (skip the synthetic and stories260K traces), --kvkit_sinks=0,16,32 (the
+//    first N tokens stay full width, never packed: one table row per N; bytes count them full
+//    width, rounded up to pages), --kvkit_prune=6.25,12.5,.. (% of K dims pruned),
+//    --kvkit_calib_skip_sink (the selector does not observe the sink tokens),
+//    --kvkit_no_vtable / --kvkit_no_basis (skip the V-pruning / offline basis tables),
+//    --kvkit_per_layer (per-layer median KL, ThinK without and Centered with key compensation).
 
 #include <benchmark/benchmark.h>
 
@@ -62,8 +67,26 @@ namespace {
 
 bool g_small = false;
 bool g_smol_only = false;  // --kvkit_smol_only: SmolLM2 traces only
-std::int32_t g_sink = 0;
-bool g_basis_only = false;  // --kvkit_basis_only: only the offline basis tables   // --kvkit_sink=N: the first N tokens stay full width (not packed)
+std::int32_t g_sink = 0;  // the first g_sink tokens stay full width (not packed); set per table row
+std::vector<std::int32_t> g_sinks{0};  // --kvkit_sink=N or --kvkit_sinks=A,B,..: sink sizes in tokens
+std::vector<double> g_prune{0.25, 0.375, 0.5, 0.625, 0.75};  // --kvkit_prune=25,37.5,..: % of K dims pruned
+bool g_basis_only = false;  // --kvkit_basis_only: only the offline basis tables
+bool g_calib_skip_sink = false;  // --kvkit_calib_skip_sink: the selector does not observe the sink tokens
+bool g_no_vtable = false;  // --kvkit_no_vtable: skip the V-pruning table
+bool g_no_basis = false;   // --kvkit_no_basis: skip the offline basis tables
+bool g_per_layer = false;  // --kvkit_per_layer: per-layer median KL (ThinK, Centered + comp)
+
+template <class T>
+std::vector<T> parse_list(const std::string& s) {
+  std::vector<T> out;
+  std::size_t a = 0;
+  while (a <= s.size()) {
+    const std::size_t b = std::min(s.find(',', a), s.size());
+    out.push_back(static_cast<T>(std::stod(s.substr(a, b - a))));
+    a = b + 1;
+  }
+  return out;
+}
 
 // This thread's CPU time: the timed code is single-threaded (exec::Host{1}), and on a
 // shared, overloaded machine wall time mostly measures waiting for a core.
@@ -326,7 +349,8 @@ Calib calibrate(const Trace& t, channel::ChannelScore score) {
   for (std::int32_t pos = 0; pos <= upto; ++pos) {
     for (std::int32_t l = 0; l < t.L; ++l)
       for (std::int32_t h = 0; h < t.H; ++h)
-        sel.observe_kv(l, h, t.krow(l, pos, h), t.v.empty() ? t.krow(l, pos, h) : t.vrow(l, pos, h));
+        if (!g_calib_skip_sink || pos >= g_sink)
+          sel.observe_kv(l, h, t.krow(l, pos, h), t.v.empty() ? t.krow(l, pos, h) : t.vrow(l, pos, h));
     for (; s < half && t.qpos[s] == pos; ++s)
       for (std::int32_t l = 0; l < t.L; ++l)
         for (std::int32_t h = 0; h < t.H; ++h) sel.observe_q(l, h, t.qrow(s, l, h * t.G));
@@ -518,50 +542,102 @@ const char* score_name(channel::ChannelScore s) {
 void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
   const channel::ChannelScore scores[] = {channel::ChannelScore::kEma, channel::ChannelScore::kThink,
                                           channel::ChannelScore::kCentered};
-  std::printf("\n## attention KL(dense || packed), window W=%d, calibration on the first half of the decode steps\n\n", W);
-  std::printf("| trace | tokens | score | K comp | pruned | rK/D | median KL | p90 KL | KV bytes saved |\n|---|---|---|---|---|---|---|---|---|\n");
-  std::vector<std::vector<Calib>> cal;
-  for (const Trace& t : traces) {
+  // Calibrations per (sink, trace, score): they depend on the sink only with --kvkit_calib_skip_sink.
+  std::vector<std::vector<std::vector<Calib>>> cal;
+  for (std::int32_t sink : g_sinks) {
+    g_sink = sink;
     cal.emplace_back();
-    for (channel::ChannelScore sc : scores) cal.back().push_back(calibrate(t, sc));
+    for (const Trace& t : traces) {
+      cal.back().emplace_back();
+      for (channel::ChannelScore sc : scores) cal.back().back().push_back(calibrate(t, sc));
+    }
+    if (!g_calib_skip_sink) break;
   }
+  auto calib = [&](std::size_t k, std::size_t ti, std::size_t si) -> const Calib& {
+    return cal[g_calib_skip_sink ? k : 0][ti][si];
+  };
+  std::printf("\n## attention KL(dense || packed), window W=%d, calibration on the first half of the decode steps%s\n\n", W,
+              g_calib_skip_sink ? " (sink tokens not observed)" : "");
+  std::printf("| trace | tokens | sink | score | K comp | pruned | rK/D | median KL | p90 KL | KV bytes saved |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   for (std::size_t ti = 0; ti < traces.size(); ++ti) {
     const Trace& t = traces[ti];
     const std::vector<double> kps = prefix_sums(t, false);
-    for (std::size_t si = 0; si < 3; ++si)
-      for (bool comp : {false, true})
-        for (double pr : {0.25, 0.375, 0.5, 0.625, 0.75}) {
-          const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
-          const auto kl = attention_kls(t, cal[ti][si].top(cal[ti][si].k, r), r, W, comp, kps);
-          std::printf("| %s | %d | %s | %s | %.1f%% | %d/%d | %.3g | %.3g | %.1f%% |\n", t.name.c_str(), t.n,
-                      score_name(scores[si]), comp ? "yes" : "no", pr * 100, r, t.D, quantile(kl, 0.5),
-                      quantile(kl, 0.9), 100 * bytes_saved(t, r, W, scores[si], comp));
-          std::fflush(stdout);
-        }
+    for (std::size_t k = 0; k < g_sinks.size(); ++k) {
+      g_sink = g_sinks[k];
+      for (std::size_t si = 0; si < 3; ++si)
+        for (bool comp : {false, true})
+          for (double pr : g_prune) {
+            const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+            const Calib& c = calib(k, ti, si);
+            const auto kl = attention_kls(t, c.top(c.k, r), r, W, comp, kps);
+            std::printf("| %s | %d | %d | %s | %s | %.2f%% | %d/%d | %.3g | %.3g | %.1f%% |\n", t.name.c_str(), t.n,
+                        g_sink, score_name(scores[si]), comp ? "yes" : "no", pr * 100, r, t.D, quantile(kl, 0.5),
+                        quantile(kl, 0.9), 100 * bytes_saved(t, r, W, scores[si], comp));
+            std::fflush(stdout);
+          }
+    }
+  }
+  if (g_per_layer) {
+    // Per-layer medians: attention_kls orders its values by (step, layer, query head).
+    std::printf("\n## per-layer median attention KL (W=%d), layers 0..L-1\n\n", W);
+    std::printf("| trace | sink | score | K comp | pruned | per-layer median KL |\n|---|---|---|---|---|---|\n");
+    for (std::size_t ti = 0; ti < traces.size(); ++ti) {
+      const Trace& t = traces[ti];
+      const std::vector<double> kps = prefix_sums(t, false);
+      for (std::size_t k = 0; k < g_sinks.size(); ++k) {
+        g_sink = g_sinks[k];
+        for (std::size_t si : {std::size_t{1}, std::size_t{2}})
+          for (double pr : g_prune) {
+            const bool comp = si == 2;
+            const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+            const Calib& c = calib(k, ti, si);
+            const auto kl = attention_kls(t, c.top(c.k, r), r, W, comp, kps);
+            std::printf("| %s | %d | %s | %s | %.2f%% |", t.name.c_str(), g_sink, score_name(scores[si]),
+                        comp ? "yes" : "no", pr * 100);
+            const std::size_t hq = static_cast<std::size_t>(t.H * t.G);
+            for (std::int32_t l = 0; l < t.L; ++l) {
+              std::vector<double> v;
+              for (std::size_t i = 0; i < kl.size(); ++i)
+                if (static_cast<std::int32_t>(i / hq % static_cast<std::size_t>(t.L)) == l) v.push_back(kl[i]);
+              std::printf(" %.2g", quantile(v, 0.5));
+            }
+            std::printf(" |\n");
+            std::fflush(stdout);
+          }
+      }
+    }
   }
   std::printf("\n## KV bytes saved at the largest key pruning with median attention KL <= threshold (W=%d)\n\n", W);
-  std::printf("| trace | score | K comp | threshold | rK/D | median KL | KV bytes saved |\n|---|---|---|---|---|---|---|\n");
+  std::printf("| trace | sink | score | K comp | threshold | rK/D | median KL | KV bytes saved |\n|---|---|---|---|---|---|---|---|\n");
   for (std::size_t ti = 0; ti < traces.size(); ++ti) {
     const Trace& t = traces[ti];
     const std::vector<double> kps = prefix_sums(t, false);
-    for (std::size_t si = 0; si < 3; ++si)
-      for (bool comp : {false, true})
-        for (double th : {1e-3, 1e-2}) {
-          std::int32_t best = t.D;
-          double best_kl = 0;
-          const std::int32_t step = std::max(1, t.D / 16);
-          for (std::int32_t r = t.D - step; r >= 1; r -= step) {
-            const double m = quantile(attention_kls(t, cal[ti][si].top(cal[ti][si].k, r), r, W, comp, kps), 0.5);
-            if (m > th) break;
-            best = r;
-            best_kl = m;
+    for (std::size_t k = 0; k < g_sinks.size(); ++k) {
+      g_sink = g_sinks[k];
+      for (std::size_t si = 0; si < 3; ++si)
+        for (bool comp : {false, true})
+          for (double th : {1e-3, 1e-2}) {
+            const Calib& c = calib(k, ti, si);
+            std::int32_t best = t.D;
+            double best_kl = 0;
+            const std::int32_t step = std::max(1, t.D / 16);
+            for (std::int32_t r = t.D - step; r >= 1; r -= step) {
+              const double m = quantile(attention_kls(t, c.top(c.k, r), r, W, comp, kps), 0.5);
+              if (m > th) break;
+              best = r;
+              best_kl = m;
+            }
+            std::printf("| %s | %d | %s | %s | %.0e | %d/%d | %.3g | %.1f%% |\n", t.name.c_str(), g_sink,
+                        score_name(scores[si]), comp ? "yes" : "no", th, best, t.D, best_kl,
+                        best < t.D ? 100 * bytes_saved(t, best, W, scores[si], comp) : 0.0);
+            std::fflush(stdout);
           }
-          std::printf("| %s | %s | %s | %.0e | %d/%d | %.3g | %.1f%% |\n", t.name.c_str(), score_name(scores[si]),
-                      comp ? "yes" : "no", th, best, t.D, best_kl,
-                      best < t.D ? 100 * bytes_saved(t, best, W, scores[si], comp) : 0.0);
-          std::fflush(stdout);
-        }
+    }
   }
+  g_sink = g_sinks.front();
+  const std::vector<std::vector<Calib>>& cal0 = cal.front();
+  if (g_no_vtable) return;
   std::printf("\n## V pruning, output level (K full width): median / p90 ||o - o'|| / ||o|| (W=%d)\n\n", W);
   std::printf("| trace | V score | V comp | pruned | rV/D | median rel. err | p90 rel. err |\n|---|---|---|---|---|---|---|\n");
   for (std::size_t ti = 0; ti < traces.size(); ++ti) {
@@ -572,7 +648,7 @@ void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
       for (bool comp : {false, true})
         for (double pr : {0.25, 0.5, 0.75}) {
           const std::int32_t r = std::max(1, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
-          const auto e = value_errors(t, cal[ti][si].top(cal[ti][si].v, r), r, W, comp, vps);
+          const auto e = value_errors(t, cal0[ti][si].top(cal0[ti][si].v, r), r, W, comp, vps);
           std::printf("| %s | %s | %s | %.0f%% | %d/%d | %.3g | %.3g |\n", t.name.c_str(),
                       si == 0 ? "EMA abs(v)" : "Var[v]", comp ? "yes" : "no", pr * 100, r, t.D, quantile(e, 0.5),
                       quantile(e, 0.9));
@@ -836,8 +912,9 @@ int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps, 
   (void)kind;
   (void)max_prompts;
 #endif
+  g_sink = g_sinks.front();
   if (!g_basis_only) fidelity_tables(traces, W);
-  basis_tables(traces, W);
+  if (!g_no_basis) basis_tables(traces, W);
   return 0;
 }
 
@@ -855,7 +932,16 @@ int main(int argc, char** argv) {
     else if (a == "--kvkit_fidelity") fidelity = true;
     else if (a == "--kvkit_smol_only") g_smol_only = true;
     else if (a == "--kvkit_basis_only") g_basis_only = true;
-    else if (a.rfind("--kvkit_sink=", 0) == 0) g_sink = std::stoi(a.substr(13));
+    else if (a.rfind("--kvkit_sink=", 0) == 0) g_sinks = {std::stoi(a.substr(13))};
+    else if (a.rfind("--kvkit_sinks=", 0) == 0) g_sinks = parse_list<std::int32_t>(a.substr(14));
+    else if (a.rfind("--kvkit_prune=", 0) == 0) {
+      g_prune.clear();
+      for (double x : parse_list<double>(a.substr(14))) g_prune.push_back(x / 100);
+    }
+    else if (a == "--kvkit_calib_skip_sink") g_calib_skip_sink = true;
+    else if (a == "--kvkit_no_vtable") g_no_vtable = true;
+    else if (a == "--kvkit_no_basis") g_no_basis = true;
+    else if (a == "--kvkit_per_layer") g_per_layer = true;
     else if (a.rfind("--kvkit_models=", 0) == 0) models = a.substr(15);
     else if (a.rfind("--kvkit_window=", 0) == 0) W = std::stoi(a.substr(15));
     else if (a.rfind("--kvkit_steps=", 0) == 0) steps = std::stoi(a.substr(14));
