@@ -14,6 +14,9 @@
 //     two chunks, or (out, lse) pairs of two calls, combine in log-sum-exp form.
 // Scores out, page subsets and channel-restricted K/V only change the inputs of these
 // pieces (which page list, which query channels, where the output goes).
+// params.bf16_dot (opt-in, bfloat16 KV) swaps the score step for one on the queries'
+// bfloat16 bits, unscaled (vdpbf16ps under AVX512_BF16, float FMAs elsewhere), with
+// sm_scale applied to the tile's dot products; p·v stays in float.
 //
 // Threads: items are (sequence, kv head, chunk). Long sequences are cut into several
 // chunks only when the batch has few (sequence, kv head) pairs; the cut depends on the
