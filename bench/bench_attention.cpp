@@ -1,6 +1,8 @@
 // Google Benchmark: CPU paged_decode_attention against the machine's memory floor.
 //
 //   attn/<dtype>/<layout>/B<batch>/S<seq>/T<threads>
+//   attn/bf16dot/...   bfloat16 KV with DecodeAttentionParams::bf16_dot (opt-in scores
+//                      from bf16 products; vdpbf16ps where the build has AVX512_BF16)
 //
 // Hq 32, Hkv 8, head_dim 128, page 16, pages shuffled over the pool (as an engine's
 // allocator leaves them). Each iteration times, interleaved (order alternating), the
@@ -13,6 +15,7 @@
 //   vs_floor    GBps / floor_GBps (1.0 = the kernel reads KV as fast as a plain sum)
 //   tok_per_s   decoded tokens (batch) per second of kernel time
 //   simd        1 portable, 2 NEON, 3 AVX2, 4 AVX-512 (the compiled path)
+//   bf16_dot    1 when the row's bf16_dot runs on vdpbf16ps, 0 otherwise
 // Timing: 1-thread runs use the thread's CPU time (time descheduled while other processes
 // share the cores is not charged; --kvkit_wall switches to the wall clock); runs with more
 // threads use the wall clock (steady_clock), so they suffer from a busy machine.
@@ -104,7 +107,8 @@ std::string g_key;
 std::shared_ptr<void> g_fixture;
 
 template <class T>
-std::unique_ptr<Fixture<T>> make_fixture(std::int32_t batch, std::int32_t seq, KVLayout layout) {
+std::unique_ptr<Fixture<T>> make_fixture(std::int32_t batch, std::int32_t seq, KVLayout layout,
+                                         bool bf16_dot) {
   auto f = std::make_unique<Fixture<T>>();
   f->batch = batch;
   f->seq = seq;
@@ -155,6 +159,7 @@ std::unique_ptr<Fixture<T>> make_fixture(std::int32_t batch, std::int32_t seq, K
   f->out.resize(f->q.size());
   f->params.num_qo_heads = kHq;
   f->params.sm_scale = 1.f / std::sqrt(static_cast<float>(kDim));
+  f->params.bf16_dot = bf16_dot;
   f->ws.resize(std::max<std::size_t>(
       1, kvkit::paged_decode_attention_workspace_size(kvkit::exec::Host{2}, f->views[0], f->params)));
 
@@ -231,12 +236,12 @@ std::uint64_t floor_read(kvkit::exec::Host ex, const Layer& layer, std::size_t b
 
 template <class T>
 void bm_attention(benchmark::State& state, std::int32_t batch, std::int32_t seq, KVLayout layout,
-                  int threads) {
-  const std::string key = std::string(dtype_name<T>()) + kvkit::to_string(layout) +
+                  int threads, bool bf16_dot) {
+  const std::string key = std::string(dtype_name<T>()) + (bf16_dot ? "dot" : "") + kvkit::to_string(layout) +
                           std::to_string(batch) + "/" + std::to_string(seq);
   if (g_key != key) {
     g_fixture.reset();
-    g_fixture = std::shared_ptr<Fixture<T>>(make_fixture<T>(batch, seq, layout).release());
+    g_fixture = std::shared_ptr<Fixture<T>>(make_fixture<T>(batch, seq, layout, bf16_dot).release());
     g_key = key;
   }
   Fixture<T>& f = *static_cast<Fixture<T>*>(g_fixture.get());
@@ -282,19 +287,26 @@ void bm_attention(benchmark::State& state, std::int32_t batch, std::int32_t seq,
   state.counters["vs_floor"] = t_floor / t_kernel;
   state.counters["tok_per_s"] = static_cast<double>(f.batch) * static_cast<double>(it) / t_kernel;
   state.counters["simd"] = simd_code();
+#if defined(KVKIT_SIMD_AVX512BF16)
+  state.counters["bf16_dot"] = bf16_dot ? 1 : 0;
+#else
+  state.counters["bf16_dot"] = 0;
+#endif
 }
 
 template <class T>
-void register_all() {
+void register_all(bool bf16_dot = false) {
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
     for (std::int32_t batch : {1, 8})
       for (std::int32_t seq : {1024, 8192})
         for (int threads : {1, 2}) {
           const std::int32_t s = g_small ? seq / 32 : seq;
-          const std::string name = std::string("attn/") + dtype_name<T>() + "/" + kvkit::to_string(layout) +
+          const std::string name = std::string("attn/") + dtype_name<T>() + (bf16_dot ? "dot" : "") + "/" +
+                                   kvkit::to_string(layout) +
                                    "/B" + std::to_string(batch) + "/S" + std::to_string(seq) + "/T" +
                                    std::to_string(threads);
-          benchmark::RegisterBenchmark(name.c_str(), bm_attention<T>, batch, s, layout, threads)
+          benchmark::RegisterBenchmark(name.c_str(), bm_attention<T>, batch, s, layout, threads,
+                                       bf16_dot)
               ->UseManualTime()
               ->Unit(benchmark::kMillisecond);
         }
@@ -310,5 +322,6 @@ int main(int argc, char** argv) {
         register_all<float>();
         register_all<half_t>();
         register_all<bfloat16_t>();
+        register_all<bfloat16_t>(/*bf16_dot=*/true);
       });
 }

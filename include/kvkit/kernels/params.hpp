@@ -58,6 +58,18 @@ struct DecodeAttentionParams {
 
   float* scores = nullptr;         // [batch, Hq, scores_stride] scaled logits, or nullptr
   std::int64_t scores_stride = 0;  // >= the longest seq_len when scores is set
+
+  /// Opt-in, bfloat16 views on the CPU only (kInvalidArgument for float/half views; the
+  /// CUDA backend ignores it): scores are sm_scale * (q·k) with q left in bfloat16 (as the
+  /// caller passes it) instead of (sm_scale * q)·k in float. Every product q_d k_d of two
+  /// bfloat16 values is exact in float, so the score differs from the default only by
+  /// float accumulation (order and pairing of the sums) and one rounding of the scale:
+  /// the same error bound, not the same bits. A consumer built with AVX512_BF16
+  /// (`__AVX512BF16__`, e.g. -march=znver4/sapphirerapids) computes it with `vdpbf16ps`
+  /// (32 products per instruction, half the score FMAs of the default); other builds run
+  /// the same arithmetic with float FMAs (unscaled q, scale applied to the dot product).
+  /// Denormal bfloat16 inputs count as zero under vdpbf16ps. p·v is unchanged (float).
+  bool bf16_dot = false;
 };
 
 namespace detail {

@@ -14,6 +14,9 @@
 //     two chunks, or (out, lse) pairs of two calls, combine in log-sum-exp form.
 // Scores out, page subsets and channel-restricted K/V only change the inputs of these
 // pieces (which page list, which query channels, where the output goes).
+// params.bf16_dot (opt-in, bfloat16 KV) swaps the score step for one on the queries'
+// bfloat16 bits, unscaled (vdpbf16ps under AVX512_BF16, float FMAs elsewhere), with
+// sm_scale applied to the tile's dot products; p·v stays in float.
 //
 // Threads: items are (sequence, kv head, chunk). Long sequences are cut into several
 // chunks only when the batch has few (sequence, kv head) pairs; the cut depends on the
@@ -67,6 +70,8 @@ struct DecodeShape {
   std::int32_t q_width = 0, out_width = 0;  // row widths of q and out
   std::int32_t splits = 1;                  // chunks per (sequence, kv head), at most
   std::size_t item_floats = 0;              // workspace floats per (b, h, chunk) item
+  bool bf16_dot = false;                    // params.bf16_dot on a bfloat16 view
+  float sm_scale = 0.f;
 };
 
 template <class T>
@@ -79,6 +84,8 @@ DecodeShape decode_shape(const PagedKVView<T>& view, const DecodeAttentionParams
   s.vdim = view.v_head_dim;
   s.q_width = p.k_channels != nullptr ? p.q_dim : s.kdim;
   s.out_width = p.v_channels != nullptr ? p.q_dim : s.vdim;
+  s.bf16_dot = std::is_same<T, bfloat16_t>::value && p.bf16_dot;
+  s.sm_scale = p.sm_scale;
   const std::int64_t pairs = static_cast<std::int64_t>(std::max(0, view.batch_size)) * s.hkv;
   s.splits = pairs >= kSplitTargetItems || pairs == 0
                  ? 1
@@ -372,6 +379,80 @@ inline void score_block16(const float* q,            // [NG, kdim]
 }
 #endif
 
+#if defined(KVKIT_SIMD_AVX512BF16)
+/// 32 bfloat16 of p (the first `rest` when Tail, zeros after), as vdpbf16ps's operand.
+template <bool Tail>
+KVKIT_SIMD_INLINE __m512bh load_bf16x32(const std::uint16_t* p, int rest) {
+  if constexpr (Tail)
+    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((std::uint64_t{1} << rest) - 1), p);
+  else
+    return (__m512bh)_mm512_loadu_si512(p);
+}
+
+/// params.bf16_dot scores, unscaled: sc[g * kDecodeTile + j0 + t] = q_g · k_t for NG
+/// bfloat16 queries (raw bits, rows of stride kdim) and NT tokens, with vdpbf16ps: each
+/// lane accumulates two exact bf16 products per instruction in float. NG * NT == 16
+/// reduces with reduce16 (one store per query), otherwise one lane sum per dot product.
+template <int NG, int NT, bool Tail>
+inline void score_block_bf16(const std::uint16_t* q,           // [NG, kdim] bf16 bits
+                             const bfloat16_t* const* rows,    // [NT] K rows of kdim elements
+                             std::int32_t kdim, float* sc,     // [NG, kDecodeTile]
+                             std::int32_t j0) {
+  Vec acc[NG * NT];
+  for (Vec& a : acc) a = Vec::zero();
+  std::int32_t d = 0;
+  for (; d + 32 <= kdim; d += 32) {
+    __m512bh kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_bf16x32<false>(&rows[t][d].bits, 0);
+    for (int g = 0; g < NG; ++g) {
+      __m512i qi = _mm512_loadu_si512(q + static_cast<std::size_t>(g) * kdim + d);
+#if defined(__GNUC__) || defined(__clang__)
+      __asm__("" : "+v"(qi));  // one load per query chunk (see score_block16)
+#endif
+      const __m512bh qv = (__m512bh)qi;
+      for (int t = 0; t < NT; ++t) acc[g * NT + t].v = _mm512_dpbf16_ps(acc[g * NT + t].v, qv, kv[t]);
+    }
+  }
+  if constexpr (Tail) {
+    const int rest = kdim - d;
+    __m512bh kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_bf16x32<true>(&rows[t][d].bits, rest);
+    for (int g = 0; g < NG; ++g) {
+      const __m512bh qv = load_bf16x32<true>(q + static_cast<std::size_t>(g) * kdim + d, rest);
+      for (int t = 0; t < NT; ++t) acc[g * NT + t].v = _mm512_dpbf16_ps(acc[g * NT + t].v, qv, kv[t]);
+    }
+  }
+  if constexpr (NG * NT == 16) {
+    const __m512 r = reduce16(acc);  // lane g * NT + t: query g, token j0 + t
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, r);
+    for (int g = 0; g < NG; ++g)
+      std::memcpy(sc + g * kDecodeTile + j0, lanes + g * NT, sizeof(float) * NT);
+  } else {
+    for (int g = 0; g < NG; ++g)
+      for (int t = 0; t < NT; ++t) sc[g * kDecodeTile + j0 + t] = acc[g * NT + t].hsum();
+  }
+}
+
+/// score_block_bf16 over all n tokens of a tile for NG queries.
+template <int NG, bool Tail>
+inline void score_tile_bf16(const std::uint16_t* q, const Tile<bfloat16_t>& tile, std::int32_t kdim,
+                            float* sc, Upcoming<bfloat16_t>& pre) {
+  static_assert(NG == 1 || NG == 2 || NG == 4, "16 dot products per block");
+  constexpr int NT16 = 16 / NG;
+  std::int32_t j = 0;
+  for (; j + NT16 <= tile.n; j += NT16) {
+    pre.advance(j + NT16, tile.n);
+    score_block_bf16<NG, NT16, Tail>(q, tile.k + j, kdim, sc, j);
+  }
+  for (; j < tile.n; ++j) {
+    pre.advance(j + 1, tile.n);
+    score_block_bf16<NG, 1, Tail>(q, tile.k + j, kdim, sc, j);
+  }
+  pre.advance(tile.n, tile.n);
+}
+#endif
+
 /// score_block over all n tokens of a tile for NG queries.
 template <int NG, class T>
 inline void score_tile(const float* q, const Tile<T>& tile, std::int32_t kdim, float* sc,
@@ -451,21 +532,50 @@ void decode_tile(const SoftmaxState& st, const Tile<T>& tile, Upcoming<T> next_k
   const std::int32_t G = s.group, n = tile.n;
   Upcoming<T> none{};
   std::int32_t g = 0;
+  bool scored = false;
+#if defined(KVKIT_SIMD_AVX512BF16)
+  if constexpr (std::is_same<T, bfloat16_t>::value) {
+    if (s.bf16_dot) {
+      // st.q holds the queries' bfloat16 bits (begin_state); the same query blocking.
+      const std::uint16_t* qb = reinterpret_cast<const std::uint16_t*>(st.q);
+      const bool tail = s.kdim % 32 != 0;
+      auto blocks = [&](auto ng, auto tl) {
+        constexpr int NG = decltype(ng)::value;
+        constexpr bool TL = decltype(tl)::value;
+        score_tile_bf16<NG, TL>(qb + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim,
+                                st.sc + g * kDecodeTile, g == 0 ? next_k : none);
+      };
+      using I4 = std::integral_constant<int, 4>;
+      using I2 = std::integral_constant<int, 2>;
+      using I1 = std::integral_constant<int, 1>;
+      for (; g + 4 <= G; g += 4) tail ? blocks(I4{}, std::true_type{}) : blocks(I4{}, std::false_type{});
+      for (; g + 2 <= G; g += 2) tail ? blocks(I2{}, std::true_type{}) : blocks(I2{}, std::false_type{});
+      for (; g < G; ++g) tail ? blocks(I1{}, std::true_type{}) : blocks(I1{}, std::false_type{});
+      scored = true;
+    }
+  }
+#endif
   // The first head block issues the prefetches; the others find the rows on their way.
-  for (; g + 4 <= G; g += 4)
-    score_tile<4>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
-                  g == 0 ? next_k : none);
-  for (; g + 2 <= G; g += 2)
-    score_tile<2>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
-                  g == 0 ? next_k : none);
-  for (; g < G; ++g)
-    score_tile<1>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
-                  g == 0 ? next_k : none);
+  if (!scored) {
+    for (; g + 4 <= G; g += 4)
+      score_tile<4>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
+                    g == 0 ? next_k : none);
+    for (; g + 2 <= G; g += 2)
+      score_tile<2>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
+                    g == 0 ? next_k : none);
+    for (; g < G; ++g)
+      score_tile<1>(st.q + static_cast<std::size_t>(g) * s.kdim, tile, s.kdim, st.sc + g * kDecodeTile,
+                    g == 0 ? next_k : none);
+  }
 
   const std::int32_t padded = (n + W - 1) / W * W;  // <= kDecodeTile
   const float ninf = -std::numeric_limits<float>::infinity();
   for (g = 0; g < G; ++g) {
     float* sg = st.sc + g * kDecodeTile;
+    if (s.bf16_dot) {  // unscaled q·k: apply sm_scale (lanes past n are reset below)
+      const Vec sv = Vec::set1(s.sm_scale);
+      for (std::int32_t j = 0; j < padded; j += W) (Vec::load(sg + j) * sv).store(sg + j);
+    }
     if (float* out = scores_row(g))
       for (std::int32_t j = 0; j < n; ++j) out[tile.tok[j]] = sg[j];
     for (std::int32_t j = n; j < padded; ++j) sg[j] = ninf;  // exp -> 0
@@ -555,7 +665,19 @@ float* begin_state(const PagedKVView<T>& view, const T* q, const DecodeAttention
   for (std::int32_t g = 0; g < G; ++g) {
     const T* qg = q + (static_cast<std::int64_t>(b) * s.hq + static_cast<std::int64_t>(h) * G + g) * s.q_width;
     float* qf = st.q + static_cast<std::size_t>(g) * s.kdim;
-    if (p.k_channels != nullptr) {
+    if (s.bf16_dot) {
+      // q as passed (bfloat16), unscaled: sm_scale multiplies the dot product instead.
+      const std::int32_t* ch = p.k_channels != nullptr ? p.k_channels + static_cast<std::int64_t>(h) * s.kdim
+                                                      : nullptr;
+#if defined(KVKIT_SIMD_AVX512BF16)
+      if constexpr (std::is_same<T, bfloat16_t>::value) {
+        std::uint16_t* qb = reinterpret_cast<std::uint16_t*>(st.q) + static_cast<std::size_t>(g) * s.kdim;
+        for (std::int32_t d = 0; d < s.kdim; ++d) qb[d] = qg[ch != nullptr ? ch[d] : d].bits;
+      }
+#else
+      for (std::int32_t d = 0; d < s.kdim; ++d) qf[d] = to_float(qg[ch != nullptr ? ch[d] : d]);
+#endif
+    } else if (p.k_channels != nullptr) {
       const std::int32_t* ch = p.k_channels + static_cast<std::int64_t>(h) * s.kdim;
       for (std::int32_t d = 0; d < s.kdim; ++d) qf[d] = to_float(qg[ch[d]]) * p.sm_scale;
     } else {
@@ -665,6 +787,9 @@ void decode_item(const PagedKVView<T>& view, const T* q, T* out, float* lse,
 template <class T>
 Status check_decode_variants(const PagedKVView<T>& view, const DecodeAttentionParams& p) {
   const std::int32_t hkv = view.num_kv_heads;
+  KVKIT_CHECK_STATUS((!p.bf16_dot || std::is_same<T, bfloat16_t>::value), StatusCode::kInvalidArgument,
+                     "bf16_dot is set but the view holds ", sizeof(T) == 4 ? "float" : "half",
+                     " KV (bf16_dot needs bfloat16 KV)");
   if (p.k_channels != nullptr || p.v_channels != nullptr)
     KVKIT_CHECK_STATUS(p.q_dim > 0, StatusCode::kInvalidArgument, "q_dim ", p.q_dim,
                        " must be > 0 when k_channels or v_channels is set");

@@ -55,7 +55,12 @@
 #define KVKIT_SIMD_SCALAR 1
 #endif
 
-#if defined(KVKIT_SIMD_AVX512)
+#if defined(KVKIT_SIMD_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// AVX512_BF16 (vdpbf16ps) unlocks the opt-in DecodeAttentionParams::bf16_dot kernel; the
+// namespace differs so a unit with it and one without never share a kernel body.
+#define KVKIT_SIMD_AVX512BF16 1
+#define KVKIT_SIMD_NS simd_avx512bf16
+#elif defined(KVKIT_SIMD_AVX512)
 #define KVKIT_SIMD_NS simd_avx512
 #elif defined(KVKIT_SIMD_AVX2)
 #define KVKIT_SIMD_NS simd_avx2
