@@ -619,8 +619,17 @@ TEST_CASE("RedisBackend: a Redis Cluster node given as redis:// fails at connect
   {
     // A plain server works; restarted as a cluster node (the only way a server becomes
     // one), the reconnect of the next call refuses it.
-    RedisServer plain;
+    // On a port whose cluster bus port (+ 10000) is free too, as cluster nodes need.
+    std::unique_ptr<RedisServer> server;
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      server = std::make_unique<RedisServer>();
+      if (!server->running() ||
+          (server->port() <= 55535 && kvkit_test::port_free(server->port() + 10000)))
+        break;
+    }
+    RedisServer& plain = *server;
     if (!started(plain)) return;
+    REQUIRE(plain.port() <= 55535);
     RedisBackend b(plain.options());
     REQUIRE(b.connect().is_ok());
     const std::vector<std::string> keys = numbered_keys("kvblock:nodeurl:", 4);

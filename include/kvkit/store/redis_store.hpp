@@ -22,8 +22,8 @@
 // Batch writes use MSG_NOSIGNAL; hiredis' own writes (AUTH, SELECT, PING) to a closed
 // socket would raise SIGPIPE, so connecting sets SIGPIPE to SIG_IGN when it is still
 // SIG_DFL (a process-wide setting, as most servers already have it).
-// A Redis Cluster node is refused at connect (see RedisOptions::allow_cluster_node and
-// probe_server_mode): a single-server client would get MOVED for the keys of every slot
+// A Redis Cluster node is refused at every connect (RedisOptions::allow_cluster_node,
+// ping_and_probe_mode): a single-server client would get MOVED for the keys of every slot
 // that other masters serve. A MOVED / ASK reply met anyway (a probe an ACL refused) fails
 // only its key, with a status that says MOVED and names redis-cluster://.
 // Client memory is bounded independently of the batch: a 256 KiB read buffer, the
