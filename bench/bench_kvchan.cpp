@@ -7,8 +7,9 @@
 //    iteration. Counters: dense_us, packed_us, ratio = packed / dense,
 //    saved = fraction of KV bytes saved, goal = (1 - saved) / 0.8 (met when ratio <= goal).
 //    kvchan_pack/...: pack_channel_pages / unpack_channel_pages of 4096 tokens (256 pages
-//    of 16, 4 kv heads of 64 dims, float) on 1 thread against 2 threads of a ThreadPool,
-//    interleaved per iteration, wall time. Counters: t1_us, t2_us, speedup = t1 / t2.
+//    of 16, 4 kv heads of 64 dims, float; 512 tokens with --kvkit_small) on 1 thread
+//    against 2 threads of a ThreadPool, interleaved per iteration, wall time. Counters:
+//    t1_us, t2_us, speedup = t1 / t2.
 //
 // 2. Fidelity (--kvkit_fidelity [--kvkit_models DIR]): attention KL tables, no timing.
 //    Traces: a synthetic trace with outlier channels, stories260K and SmolLM2-135M (the
@@ -965,7 +966,7 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMicrosecond);
   for (int op : {0, 1})
     for (auto rr : {std::pair<int, int>{32, 64}, {16, 32}})
-      benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + "/T4096/rK" +
+      benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + (g_small ? "/T512/rK" : "/T4096/rK") +
                                     std::to_string(rr.first) + "/rV" + std::to_string(rr.second) + "/threads1vs2")
                                        .c_str(),
                                    BM_pack_threads)
