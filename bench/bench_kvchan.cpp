@@ -6,6 +6,10 @@
 //    the same process, one thread, both timed in thread CPU time and interleaved per
 //    iteration. Counters: dense_us, packed_us, ratio = packed / dense,
 //    saved = fraction of KV bytes saved, goal = (1 - saved) / 0.8 (met when ratio <= goal).
+//    kvchan_pack/...: pack_channel_pages / unpack_channel_pages of 4096 tokens (256 pages
+//    of 16, 4 kv heads of 64 dims, float; 512 tokens with --kvkit_small) on 1 thread
+//    against 2 threads of a ThreadPool, interleaved per iteration, wall time. Counters:
+//    t1_us, t2_us, speedup = t1 / t2.
 //
 // 2. Fidelity (--kvkit_fidelity [--kvkit_models DIR]): attention KL tables, no timing.
 //    Traces: a synthetic trace with outlier channels, stories260K and SmolLM2-135M (the
@@ -36,6 +40,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -50,7 +55,9 @@
 #include <vector>
 
 #include "kvkit/channel/kvchan.hpp"
+#include "kvkit/channel/pack_pages.hpp"
 #include "kvkit/channel/packed_store.hpp"
+#include "kvkit/core/thread_pool.hpp"
 #include "kvkit/kernels/cpu.hpp"
 #if defined(KVKIT_BENCH_KVCHAN_ENGINE)
 #include <nlohmann/json.hpp>
@@ -234,6 +241,81 @@ void BM_packed_vs_dense(benchmark::State& state) {
   state.counters["ratio"] = tp / td;
   state.counters["saved"] = saved;
   state.counters["goal"] = (1 - saved) / 0.8;
+}
+
+// Page pack (op 0) or unpack (op 1) on 1 thread vs 2 pool threads (the same calls and data).
+void BM_pack_threads(benchmark::State& state) {
+  const bool unpack = state.range(0) != 0;
+  const std::int32_t rk = static_cast<std::int32_t>(state.range(1)), rv = static_cast<std::int32_t>(state.range(2));
+  const std::int32_t H = 4, D = 64, P = 16, n_tokens = g_small ? 512 : 4096, n_pages = n_tokens / P;
+  const KVGeometry fg{H, D, P, n_pages + 8, D}, pg{H, rk, P, n_pages + 8, rv};
+  std::mt19937_64 rng(1);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  auto random = [&](std::size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = u(rng);
+    return v;
+  };
+  const std::size_t fe = static_cast<std::size_t>(fg.num_pages) * P * H * D;
+  std::vector<float> fk = random(fe), fv = random(fe);
+  std::vector<float> pk = random(static_cast<std::size_t>(pg.num_pages) * P * H * rk);
+  std::vector<float> pv = random(static_cast<std::size_t>(pg.num_pages) * P * H * rv);
+  std::vector<float> kfill = random(static_cast<std::size_t>(H) * D), vfill = random(static_cast<std::size_t>(H) * D);
+  auto sets = [&](std::int32_t r) {  // r ascending dims of D per head
+    std::vector<std::int32_t> out;
+    for (std::int32_t h = 0; h < H; ++h) {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(D));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      std::sort(ids.begin(), ids.begin() + r);
+      out.insert(out.end(), ids.begin(), ids.begin() + r);
+    }
+    return out;
+  };
+  const std::vector<std::int32_t> kch = sets(rk), vch = sets(rv);
+  auto pages = [&](std::int32_t total) {  // n_pages distinct ids in random order
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(total));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(static_cast<std::size_t>(n_pages));
+    return ids;
+  };
+  const std::vector<std::int32_t> fpages = pages(fg.num_pages), ppages = pages(pg.num_pages);
+  static const std::int32_t kZero[1] = {0};
+  const CsrPageTable none{kZero, nullptr, nullptr, 0};
+  const auto full = make_csr_view(fg, fk.data(), packed_strides(fg, KVLayout::kNHD), fv.data(),
+                                  packed_v_strides(fg, KVLayout::kNHD), none);
+  const auto packed = make_csr_view(pg, pk.data(), packed_strides(pg, KVLayout::kNHD), pv.data(),
+                                    packed_v_strides(pg, KVLayout::kNHD), none);
+  ThreadPool pool(2);
+  auto call = [&](exec::Host ex) {
+    const Status st = unpack ? channel::unpack_channel_pages(ex, packed, full, kch.data(), vch.data(), kfill.data(),
+                                                             vfill.data(), ppages.data(), fpages.data(), n_pages,
+                                                             n_tokens)
+                             : channel::pack_channel_pages(ex, full, packed, kch.data(), vch.data(), fpages.data(),
+                                                           ppages.data(), n_pages, n_tokens);
+    if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
+  };
+  auto wall = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  call(exec::Host{1});
+  call(exec::Host{2, pool.executor()});
+  double t1 = 0, t2 = 0;
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    // Interleaved so both see the same machine load.
+    const double a = wall();
+    call(exec::Host{1});
+    const double b = wall();
+    call(exec::Host{2, pool.executor()});
+    const double c = wall();
+    t1 += b - a;
+    t2 += c - b;
+    ++n;
+    state.SetIterationTime(c - b);
+  }
+  state.counters["t1_us"] = 1e6 * t1 / static_cast<double>(n);
+  state.counters["t2_us"] = 1e6 * t2 / static_cast<double>(n);
+  state.counters["speedup"] = t1 / t2;
 }
 
 // ---- 2. fidelity ------------------------------------------------------------------------
@@ -966,6 +1048,15 @@ int main(int argc, char** argv) {
                                        .c_str(),
                                    BM_packed_vs_dense)
           ->Args({B, 4096, rk, 64, 1})
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+  for (int op : {0, 1})
+    for (auto rr : {std::pair<int, int>{32, 64}, {16, 32}})
+      benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + (g_small ? "/T512/rK" : "/T4096/rK") +
+                                    std::to_string(rr.first) + "/rV" + std::to_string(rr.second) + "/threads1vs2")
+                                       .c_str(),
+                                   BM_pack_threads)
+          ->Args({op, rr.first, rr.second})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   int n = static_cast<int>(rest.size());

@@ -101,6 +101,8 @@ class RedisServer {
   void signal(int sig) const {
     if (pid_ > 0) ::kill(pid_, sig);
   }
+  /// Whether the next restart() starts a lone cluster-enabled node (or a plain server).
+  void set_cluster_enabled(bool on) { cluster_ = on; }
   /// Kills the server and starts a fresh one on the same port (data is gone).
   bool restart() {
     stop();
@@ -166,6 +168,7 @@ class RedisServer {
       RedisOptions o = options();
       o.connect_timeout = std::chrono::milliseconds(200);
       o.batch_deadline = std::chrono::milliseconds(300);
+      o.allow_cluster_node = cluster_;  // a cluster node answers the PING all the same
       RedisBackend probe(o);
       if (probe.connect().is_ok()) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));

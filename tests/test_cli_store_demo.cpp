@@ -4,7 +4,8 @@
 // (blocks saved, hit tokens, prefill tokens avoided, per-request blocks and tokens) with
 // outputs equal to the store-free run, delete every key they wrote (without --keep), and put
 // a TTL on what --keep leaves. A redis-cluster:// URL that reaches no cluster fails at once,
-// naming --store.
+// naming --store, and so does a node of the cluster given as redis:// (before the model is
+// read, telling the user to use redis-cluster://).
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -111,6 +112,27 @@ TEST_CASE("kvkit store-demo: memory, redis:// and redis-cluster:// give the same
     CHECK(total == kept.at("blocks_saved").get<long long>() * 2 * kept.at("layers").get<long long>());
     CHECK(holding >= 2);
   }
+
+  // A cluster node given as redis://: exit 1 before the model is read (a missing model file
+  // is not reported), naming --store and redis-cluster://, nothing written.
+  long long keys_before = 0;
+  for (const auto& s : cluster.servers) keys_before += keys_on(s->port());
+  for (const auto& s : cluster.servers) {
+    const std::string node = "redis://127.0.0.1:" + std::to_string(s->port());
+    CAPTURE(node);
+    for (const std::string& model : {kStoriesPath, std::string("/nonexistent/kvkit-model.bin")}) {
+      CAPTURE(model);
+      const CliResult r = run_cli("store-demo --model '" + model + "' --store '" + node + "' --json");
+      CHECK(r.code == 1);
+      CHECK_THAT(r.err, Catch::Contains("kvkit: --store " + node + ": " + node + " is a Redis Cluster node"));
+      CHECK_THAT(r.err, Catch::Contains("use redis-cluster://127.0.0.1:" + std::to_string(s->port())));
+      const Json j = Json::parse(r.out);
+      CHECK(j.at("code") == 1);
+    }
+  }
+  long long keys_after = 0;
+  for (const auto& s : cluster.servers) keys_after += keys_on(s->port());
+  CHECK(keys_after == keys_before);
 
   // A redis-cluster:// URL that reaches no cluster: exit 1 before any run, naming --store.
   for (const std::string& bad : {"redis-cluster://127.0.0.1:" + std::to_string(server.port()),  // no cluster support

@@ -8,6 +8,7 @@
 // tested in test_kvchan.cpp.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "kvchan_pack_cases.hpp"
+#include "kvkit/core/thread_pool.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
@@ -23,9 +25,8 @@ using kvkit::test::PackCase;
 namespace {
 
 template <class T>
-void check_pack_unpack(const PackCase<T>& c0) {
+void check_pack_unpack(const PackCase<T>& c0, exec::Host ex) {
   PackCase<T> c = c0;
-  const exec::Host ex{1};
   const std::vector<T> pk0 = c.pk, pv0 = c.pv;
   auto full = c.full_view(c.fk.data(), c.fv.data());
   auto packed = c.packed_view(c.pk.data(), c.pv.data());
@@ -104,8 +105,54 @@ TEMPLATE_TEST_CASE("pack_channel_pages / unpack_channel_pages: exact round trip 
   for (const Shape& s : shapes)
     for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
       CAPTURE(s.heads, s.k_dim, s.v_dim, s.rk, s.rv, s.page_size, s.n_tokens, static_cast<int>(layout));
-      check_pack_unpack(test::make_pack_case<TestType>(s.heads, s.k_dim, s.v_dim, s.rk, s.rv, s.page_size,
-                                                       s.n_tokens, layout, rng));
+      const auto c = test::make_pack_case<TestType>(s.heads, s.k_dim, s.v_dim, s.rk, s.rv, s.page_size,
+                                                    s.n_tokens, layout, rng);
+      for (int threads : {1, 2, 3}) {  // pages split over workers: the same reference
+        CAPTURE(threads);
+        check_pack_unpack(c, exec::Host{threads});
+      }
+    }
+}
+
+TEMPLATE_TEST_CASE("pack_channel_pages / unpack_channel_pages: bitwise the same on 1, 2, 3 threads and a pool",
+                   "[kvchan][pack][threads]", float, half_t, bfloat16_t) {
+  KVKIT_TEST_RNG(rng);
+  ThreadPool pool(3);
+  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
+    for (std::int32_t n_tokens : {1, 5, 9, 47}) {  // 1 page (one worker), 2, 3 (one per worker), 12 (tail)
+      CAPTURE(static_cast<int>(layout), n_tokens);
+      const auto c = test::make_pack_case<TestType>(2, 32, 24, 7, 24, 4, n_tokens, layout, rng);
+      // Packed and unpacked pools (K, V) of one run.
+      struct Out {
+        std::vector<TestType> pk, pv, bk, bv;
+      };
+      auto run = [&](exec::Host ex) {
+        PackCase<TestType> x = c;
+        auto full = x.full_view(x.fk.data(), x.fv.data());
+        auto packed = x.packed_view(x.pk.data(), x.pv.data());
+        REQUIRE(channel::pack_channel_pages(ex, full, packed, x.kch.data(), x.vch.data(), x.full_pages.data(),
+                                            x.packed_pages.data(), x.n_pages, x.n_tokens)
+                    .is_ok());
+        Out o{x.pk, x.pv, x.fk, x.fv};
+        std::reverse(o.bk.begin(), o.bk.end());  // other contents than the source pages
+        std::reverse(o.bv.begin(), o.bv.end());
+        auto back = x.full_view(o.bk.data(), o.bv.data());
+        REQUIRE(channel::unpack_channel_pages(ex, packed, back, x.kch.data(), x.vch.data(), x.kfill.data(),
+                                              x.vfill.data(), x.packed_pages.data(), x.full_pages.data(),
+                                              x.n_pages, x.n_tokens)
+                    .is_ok());
+        return o;
+      };
+      const Out one = run(exec::Host{1});
+      CHECK_FALSE(test::bitwise_equal(one.pk, c.pk));  // the call wrote something
+      for (exec::Host ex : {exec::Host{2}, exec::Host{3}, exec::Host{3, pool.executor()}}) {
+        CAPTURE(ex.threads, static_cast<bool>(ex.executor));
+        const Out o = run(ex);
+        CHECK(test::bitwise_equal(o.pk, one.pk));
+        CHECK(test::bitwise_equal(o.pv, one.pv));
+        CHECK(test::bitwise_equal(o.bk, one.bk));
+        CHECK(test::bitwise_equal(o.bv, one.bv));
+      }
     }
 }
 

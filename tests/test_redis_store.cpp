@@ -93,6 +93,20 @@ void put_all(RedisBackend& b, const std::vector<std::string>& keys, const std::v
   for (auto s : states) REQUIRE(s == KeyState::kHit);
 }
 
+// One 3-master cluster for the whole binary (starting one costs seconds, more under ASan);
+// null, after saying so (the test skips), without redis-server / redis-cli. Tests may move
+// slots (the migration test) but leave every slot served.
+RedisCluster* shared_cluster() {
+  if (!kvkit_test::cluster_tools_found()) {
+    WARN("no redis-server or no redis-cli (needed for --cluster create): skipped");
+    return nullptr;
+  }
+  static std::unique_ptr<RedisCluster> cluster;
+  if (!cluster) cluster = std::make_unique<RedisCluster>();
+  REQUIRE(cluster->ok);
+  return cluster.get();
+}
+
 std::string unique_ns(std::mt19937_64& rng) {
   return make_namespace("test_redis_store", std::to_string(rng()) + std::to_string(::getpid()));
 }
@@ -493,12 +507,9 @@ TEST_CASE("parse_redis_cluster_url", "[redis][cluster]") {
 
 TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migration (ASK, MOVED)",
           "[redis][cluster]") {
-  if (!kvkit_test::cluster_tools_found()) {
-    WARN("no redis-server or no redis-cli (needed for --cluster create): skipped");
-    return;
-  }
-  RedisCluster cluster;
-  REQUIRE(cluster.ok);
+  RedisCluster* shared = shared_cluster();
+  if (shared == nullptr) return;
+  RedisCluster& cluster = *shared;
   KVKIT_TEST_RNG(rng);
   RedisClusterBackend backend(cluster.options());
   REQUIRE(backend.refresh().is_ok());
@@ -575,6 +586,224 @@ TEST_CASE("RedisClusterBackend: 3 masters, routing, BlockStore, live slot migrat
   const std::uint64_t settled = backend.redirects();
   REQUIRE(backend.get(mkeys.data(), m, mgot.data(), mstates.data()).is_ok());
   CHECK(backend.redirects() == settled);
+}
+
+namespace {
+
+// A backend of node `port` as an ACL user that may run PING and the @read / @write commands
+// on keys matching `key_pattern` only (INFO, of @dangerous, is refused), created now.
+RedisOptions acl_user_options(const RedisServer& node, const std::string& user,
+                              const std::string& key_pattern) {
+  REQUIRE(node_command(node.port(), {"ACL", "SETUSER", user, "reset", "on", ">pw", "~" + key_pattern,
+                                     "+@read", "+@write", "+ping"}) == "OK");
+  RedisOptions o = node.options();
+  o.user = user;
+  o.password = "pw";
+  return o;
+}
+
+// Whether node `port` serves `key` (a node answers MOVED for the keys of other masters).
+bool serves(int port, const std::string& key) {
+  const std::string r = node_command(port, {"EXISTS", key});
+  REQUIRE_FALSE(r.empty());
+  return r.rfind("MOVED", 0) != 0;
+}
+
+}  // namespace
+
+TEST_CASE("RedisBackend: a Redis Cluster node given as redis:// fails at connect, naming redis-cluster://",
+          "[redis][cluster]") {
+  // The probe's two keys lie in different slots: a cluster node answers CROSSSLOT.
+  CHECK(cluster_key_slot(kvkit::store::detail::kClusterProbeKeyA) !=
+        cluster_key_slot(kvkit::store::detail::kClusterProbeKeyB));
+  {
+    // A plain server works; restarted as a cluster node (the only way a server becomes
+    // one), the reconnect of the next call refuses it.
+    // On a port whose cluster bus port (+ 10000) is free too, as cluster nodes need.
+    std::unique_ptr<RedisServer> server;
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      server = std::make_unique<RedisServer>();
+      if (!server->running() ||
+          (server->port() <= 55535 && kvkit_test::port_free(server->port() + 10000)))
+        break;
+    }
+    RedisServer& plain = *server;
+    if (!started(plain)) return;
+    REQUIRE(plain.port() <= 55535);
+    RedisBackend b(plain.options());
+    REQUIRE(b.connect().is_ok());
+    const std::vector<std::string> keys = numbered_keys("kvblock:nodeurl:", 4);
+    const std::vector<std::string> values = {"a", "b", "c", "d"};
+    put_all(b, keys, values);
+    plain.set_cluster_enabled(true);
+    REQUIRE(plain.restart());
+    std::vector<std::string> got(keys.size());
+    std::vector<KeyState> states(keys.size(), KeyState::kHit);
+    Status st = b.get(keys.data(), keys.size(), got.data(), states.data());
+    if (st.code() != StatusCode::kUnsupported) {
+      // The call that finds the old connection closed fails as an I/O error and drops it.
+      CHECK(st.code() == StatusCode::kIoError);
+      for (auto s : states) CHECK(s == KeyState::kError);
+      std::fill(states.begin(), states.end(), KeyState::kHit);
+      st = b.get(keys.data(), keys.size(), got.data(), states.data());
+    }
+    CAPTURE(st.to_string());
+    CHECK(st.code() == StatusCode::kUnsupported);
+    CHECK_THAT(st.message(), Catch::Contains("redis://127.0.0.1:" + std::to_string(plain.port()) +
+                                             " is a Redis Cluster node"));
+    for (auto s : states) CHECK(s == KeyState::kError);
+    CHECK(b.connect().code() == StatusCode::kUnsupported);
+  }
+  RedisCluster* cluster = shared_cluster();
+  if (cluster == nullptr) return;
+  RedisClusterBackend whole(cluster->options());
+  for (const auto& node : cluster->servers) {
+    const std::string port = std::to_string(node->port());
+    CAPTURE(port);
+    RedisBackend b(node->options());
+    const Status st = b.connect();
+    CAPTURE(st.to_string());
+    CHECK(st.code() == StatusCode::kUnsupported);
+    CHECK_THAT(st.message(), Catch::Contains("redis://127.0.0.1:" + port +
+                                             " is a Redis Cluster node (INFO cluster says cluster_enabled:1)"));
+    CHECK_THAT(st.message(), Catch::Contains("use redis-cluster://127.0.0.1:" + port));
+    CHECK_FALSE(b.connected());
+    // A batch call connects lazily: the same status, every key kError, nothing written.
+    const std::vector<std::string> keys = numbered_keys("kvblock:nodeurl:" + port + ":", 16);
+    const std::vector<std::string> values(keys.size(), "v");
+    std::vector<KeyState> states(keys.size(), KeyState::kHit);
+    CHECK(b.put(keys.data(), values.data(), keys.size(), states.data()).code() ==
+          StatusCode::kUnsupported);
+    for (auto s : states) CHECK(s == KeyState::kError);
+    REQUIRE(whole.exists(keys.data(), keys.size(), states.data()).is_ok());
+    for (auto s : states) CHECK(s == KeyState::kMiss);
+    // RedisClusterBackend's per-node connections skip the check.
+    RedisOptions o = node->options();
+    o.allow_cluster_node = true;
+    RedisBackend node_of_cluster(o);
+    CHECK(node_of_cluster.connect().is_ok());
+  }
+  // A user that may not run INFO (@dangerous) is told all the same, by EXISTS's CROSSSLOT.
+  const RedisServer& node = *cluster->servers[0];
+  RedisBackend rw(acl_user_options(node, "kvkit-nodeurl-rw", "kvblock:*"));
+  const Status st = rw.connect();
+  CAPTURE(st.to_string());
+  CHECK(st.code() == StatusCode::kUnsupported);
+  CHECK_THAT(st.message(), Catch::Contains("is a Redis Cluster node (EXISTS over two slots: CROSSSLOT"));
+  CHECK(node_command(node.port(), {"ACL", "DELUSER", "kvkit-nodeurl-rw"}) == "1");
+}
+
+TEST_CASE("RedisBackend: MOVED on the single-server path fails only its keys, saying MOVED; "
+          "BlockStore: a miss on load, a failed save", "[redis][cluster][connector]") {
+  RedisCluster* cluster = shared_cluster();
+  if (cluster == nullptr) return;
+  KVKIT_TEST_RNG(rng);
+  // A user whose keys are kvblock:moved* may not run INFO nor touch the probe's keys: the
+  // probe cannot tell, the backend connects as to a plain server and meets MOVED later.
+  const RedisServer& node = *cluster->servers[0];
+  const std::string ns = "moved" + std::to_string(rng() % 1000000000);
+  RedisBackend b(acl_user_options(node, "kvkit-nodeurl-blocks", "kvblock:moved*"));
+  REQUIRE(b.connect().is_ok());
+
+  // Raw calls: keys this node serves succeed, the others are kError; the status says MOVED.
+  std::vector<std::string> keys;
+  std::vector<char> own;
+  for (int i = 0; keys.size() < 24 || std::count(own.begin(), own.end(), 1) < 4 ||
+                  std::count(own.begin(), own.end(), 0) < 4;
+       ++i) {
+    keys.push_back("kvblock:" + ns + ":0:" + std::to_string(i) + ":k");
+    own.push_back(serves(node.port(), keys.back()) ? 1 : 0);
+  }
+  const std::size_t n = keys.size();
+  const auto values = random_values(n, 3000, rng);  // above the in-place thresholds
+  auto check_moved = [&](const Status& st, const std::vector<KeyState>& states, KeyState hit) {
+    CAPTURE(st.to_string());
+    CHECK(st.code() == StatusCode::kIoError);
+    CHECK_THAT(st.message(), Catch::Contains("MOVED"));
+    CHECK_THAT(st.message(), Catch::Contains("use redis-cluster://"));
+    for (std::size_t i = 0; i < n; ++i) {
+      CAPTURE(i);
+      CHECK(states[i] == (own[i] ? hit : KeyState::kError));
+    }
+  };
+  std::vector<KeyState> states(n, KeyState::kMiss);
+  check_moved(b.put(keys.data(), values.data(), n, states.data()), states, KeyState::kHit);
+  std::vector<std::string> got(n, "untouched");
+  check_moved(b.get(keys.data(), n, got.data(), states.data()), states, KeyState::kHit);
+  for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == (own[i] ? values[i] : std::string("untouched")));
+  check_moved(b.exists(keys.data(), n, states.data()), states, KeyState::kHit);
+  CHECK_THAT(b.remove(keys.data(), n).message(), Catch::Contains("MOVED"));
+  REQUIRE(b.exists(keys.data(), n, states.data()).code() == StatusCode::kIoError);
+  for (std::size_t i = 0; i < n; ++i) CHECK(states[i] == (own[i] ? KeyState::kMiss : KeyState::kError));
+  CHECK(b.connects() == 1);  // the replies were all read: the connection stays
+
+  // BlockStore (cluster-tagged keys: a block's keys share one slot): blocks are saved and
+  // loaded up to the first block of another master's slot, whose failure says MOVED.
+  const std::int32_t blocks = 6, layers = 2, page = 4;
+  test::PoolSpec s;
+  s.num_kv_heads = 2;
+  s.head_dim = 8;
+  s.page_size = page;
+  s.seq_lens = {blocks * page};
+  std::vector<std::unique_ptr<test::RandomPool<float>>> src, dst;
+  std::vector<PagedKVView<float>> sv, dv;
+  for (int l = 0; l < layers; ++l) {
+    std::mt19937_64 table_src(7), table_dst(11);
+    src.push_back(std::make_unique<test::RandomPool<float>>(s, table_src));
+    test::fill_uniform(src.back()->k.data(), src.back()->k.size(), rng);
+    test::fill_uniform(src.back()->v.data(), src.back()->v.size(), rng);
+    dst.push_back(std::make_unique<test::RandomPool<float>>(s, table_dst));
+    sv.push_back(src.back()->view);
+    dv.push_back(dst.back()->view);
+  }
+  BlockStoreConfig c;
+  c.ns = ns;
+  c.num_layers = layers;
+  c.page_size = page;
+  c.num_kv_heads = s.num_kv_heads;
+  c.head_dim = s.head_dim;
+  c.key_style = KeyStyle::kClusterTagged;
+  BlockStore<float> store(b, c);
+  // Tokens whose leading blocks, at least one but not all, are served by this node.
+  std::vector<BlockHash> hashes;
+  std::size_t leading = 0;
+  while (leading == 0 || leading == static_cast<std::size_t>(blocks)) {
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(blocks * page));
+    for (auto& t : tokens) t = static_cast<std::int32_t>(rng() % 49152);
+    hashes = prefix_block_hashes(tokens.data(), tokens.size(), page);
+    leading = 0;
+    while (leading < hashes.size() && serves(node.port(), store.key(0, hashes[leading], KVKind::kKey)))
+      ++leading;
+  }
+  CAPTURE(leading);
+  std::size_t saved = 99;
+  Status st = store.save_sequence(hashes.data(), hashes.size(), sv.data(), 0, &saved);
+  CAPTURE(st.to_string());
+  CHECK_THAT(st.message(), Catch::Contains("MOVED"));
+  CHECK(saved == leading);
+  Status mst;
+  CHECK(store.match_blocks(hashes.data(), hashes.size(), &mst) == leading);
+  CHECK_THAT(mst.message(), Catch::Contains("MOVED"));
+  const LoadResult r = store.load_sequence(hashes.data(), hashes.size(), dv.data(), 0);
+  CHECK_THAT(r.status.message(), Catch::Contains("MOVED"));
+  REQUIRE(r.blocks_loaded == leading);
+  for (std::size_t blk = 0; blk < leading; ++blk)
+    for (int l = 0; l < layers; ++l)
+      for (std::int32_t t = 0; t < page; ++t)
+        for (std::int32_t h = 0; h < s.num_kv_heads; ++h)
+          for (std::int32_t x = 0; x < s.head_dim; ++x) {
+            const std::int32_t tok = static_cast<std::int32_t>(blk) * page + t;
+            REQUIRE(test::same_bits(src[l]->k[src[l]->token_index(0, tok, h, x)],
+                                    dst[l]->k[dst[l]->token_index(0, tok, h, x)]));
+            REQUIRE(test::same_bits(src[l]->v[src[l]->v_token_index(0, tok, h, x)],
+                                    dst[l]->v[dst[l]->v_token_index(0, tok, h, x)]));
+          }
+  std::vector<std::string> all;
+  for (const auto& h : hashes)
+    for (int l = 0; l < layers; ++l)
+      for (KVKind k : {KVKind::kKey, KVKind::kValue}) all.push_back(store.key(l, h, k));
+  (void)b.remove(all.data(), all.size());  // this node's; the others were never written
+  CHECK(node_command(node.port(), {"ACL", "DELUSER", "kvkit-nodeurl-blocks"}) == "1");
 }
 
 namespace {

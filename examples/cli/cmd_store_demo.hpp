@@ -139,6 +139,8 @@ inline Backend open_backend(const std::string& url) {
     if (!st.is_ok()) throw StoreDemoUsage("--store: " + st.message());
     o.ttl_seconds = 3600;  // a crashed demo leaves nothing for long
     auto r = std::make_unique<store::RedisBackend>(o);
+    // Connecting also refuses a Redis Cluster node (the message names redis-cluster://):
+    // as a single server it would answer MOVED for most keys, after the store-free run.
     const Status c = r->connect();
     if (!c.is_ok()) throw std::runtime_error("--store " + url + ": " + c.message());
     b.backend = std::move(r);
@@ -165,6 +167,9 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
   try {
     if (o.codec == "zstd" && !store::zstd_available())
       throw detail::StoreDemoUsage("--codec zstd: this kvkit was built without libzstd (the kvkit::zstd component)");
+    // The store first, before the model is read: a bad --store (unreachable, a cluster node
+    // given as redis://, no cluster behind redis-cluster://) fails in milliseconds.
+    detail::Backend be = detail::open_backend(o.store);
     const bool text = detail::is_gguf_file(o.model);
     if (!text && !o.document.empty()) throw detail::StoreDemoUsage("--document needs a GGUF model with a tokenizer");
     std::shared_ptr<const Checkpoint> ck;
@@ -202,7 +207,6 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
       throw detail::StoreDemoUsage("a prompt of " + std::to_string(longest) + " tokens + --max-tokens " +
                                    std::to_string(o.max_tokens) + " exceed the model's seq_len " +
                                    std::to_string(ck->config().seq_len));
-    detail::Backend be = detail::open_backend(o.store);
 
     DemoRunConfig cfg;
     cfg.engine.page_size = o.page_size;

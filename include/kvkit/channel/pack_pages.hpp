@@ -18,14 +18,23 @@
 // pointers give a Status at once; page ids outside their pool and channel ids outside
 // [0, full dim) or not ascending give kInvalidArgument (on CUDA recorded in the
 // DeviceStatus) and nothing is written. Destination pages must be distinct (not checked:
-// a repeated destination gets one of its sources' rows). Never allocates.
+// a repeated destination gets one of its sources' rows, written by two workers at once
+// when threaded). Never allocates (beyond the
+// std::threads a threaded call without an executor starts, as in every CPU kernel).
+//
+// Threads: the page pairs are split into ex.threads contiguous chunks (parallel_for of
+// kernels/cpu/parallel.hpp, on ex.executor when set); a pair's rows are written by one
+// worker, and an element is a copy (or the fill) whatever the chunking, so the output is
+// bitwise the same for any thread count.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/kernels/cpu/parallel.hpp"
 #include "kvkit/kernels/params.hpp"
 
 namespace kvkit {
@@ -122,19 +131,22 @@ Status pack_channel_pages(exec::Host ex, PagedKVView<T> full, PagedKVView<T> pac
   KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, full.head_dim,
                                                   full.v_head_dim, src_pages, dst_pages, n_pages,
                                                   full.num_pages_total, packed.num_pages_total));
-  for (std::int32_t t = 0; t < n_tokens; ++t) {
-    const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
-    for (std::int32_t h = 0; h < H; ++h) {
-      const T* fk = full.k_data + full.k_offset(src, s, h);
-      const T* fv = full.v_data + full.v_offset(src, s, h);
-      T* pk = packed.k_data + packed.k_offset(dst, s, h);
-      T* pv = packed.v_data + packed.v_offset(dst, s, h);
-      const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
-      const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
-      for (std::int32_t c = 0; c < rk; ++c) pk[c] = fk[kc[c]];
-      for (std::int32_t c = 0; c < rv; ++c) pv[c] = fv[vc[c]];
+  kvkit::detail::parallel_for(ex, n_pages, [&](std::int64_t pb, std::int64_t pe, int) {
+    const std::int32_t t_end = static_cast<std::int32_t>(std::min<std::int64_t>(pe * P, n_tokens));
+    for (std::int32_t t = static_cast<std::int32_t>(pb * P); t < t_end; ++t) {
+      const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
+      for (std::int32_t h = 0; h < H; ++h) {
+        const T* fk = full.k_data + full.k_offset(src, s, h);
+        const T* fv = full.v_data + full.v_offset(src, s, h);
+        T* pk = packed.k_data + packed.k_offset(dst, s, h);
+        T* pv = packed.v_data + packed.v_offset(dst, s, h);
+        const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
+        const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
+        for (std::int32_t c = 0; c < rk; ++c) pk[c] = fk[kc[c]];
+        for (std::int32_t c = 0; c < rv; ++c) pv[c] = fv[vc[c]];
+      }
     }
-  }
+  });
   return Status::ok();
 }
 
@@ -158,23 +170,26 @@ Status unpack_channel_pages(exec::Host ex, PagedKVView<T> packed, PagedKVView<T>
   KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
                                                   dst_pages, n_pages, packed.num_pages_total,
                                                   full.num_pages_total));
-  for (std::int32_t t = 0; t < n_tokens; ++t) {
-    const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
-    for (std::int32_t h = 0; h < H; ++h) {
-      const T* pk = packed.k_data + packed.k_offset(src, s, h);
-      const T* pv = packed.v_data + packed.v_offset(src, s, h);
-      T* fk = full.k_data + full.k_offset(dst, s, h);
-      T* fv = full.v_data + full.v_offset(dst, s, h);
-      const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
-      const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
-      const float* kf = k_fill != nullptr ? k_fill + static_cast<std::int64_t>(h) * D : nullptr;
-      const float* vf = v_fill != nullptr ? v_fill + static_cast<std::int64_t>(h) * Dv : nullptr;
-      for (std::int32_t d = 0; d < D; ++d) fk[d] = from_float<T>(kf != nullptr ? kf[d] : 0.f);
-      for (std::int32_t d = 0; d < Dv; ++d) fv[d] = from_float<T>(vf != nullptr ? vf[d] : 0.f);
-      for (std::int32_t c = 0; c < rk; ++c) fk[kc[c]] = pk[c];
-      for (std::int32_t c = 0; c < rv; ++c) fv[vc[c]] = pv[c];
+  kvkit::detail::parallel_for(ex, n_pages, [&](std::int64_t pb, std::int64_t pe, int) {
+    const std::int32_t t_end = static_cast<std::int32_t>(std::min<std::int64_t>(pe * P, n_tokens));
+    for (std::int32_t t = static_cast<std::int32_t>(pb * P); t < t_end; ++t) {
+      const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
+      for (std::int32_t h = 0; h < H; ++h) {
+        const T* pk = packed.k_data + packed.k_offset(src, s, h);
+        const T* pv = packed.v_data + packed.v_offset(src, s, h);
+        T* fk = full.k_data + full.k_offset(dst, s, h);
+        T* fv = full.v_data + full.v_offset(dst, s, h);
+        const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
+        const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
+        const float* kf = k_fill != nullptr ? k_fill + static_cast<std::int64_t>(h) * D : nullptr;
+        const float* vf = v_fill != nullptr ? v_fill + static_cast<std::int64_t>(h) * Dv : nullptr;
+        for (std::int32_t d = 0; d < D; ++d) fk[d] = from_float<T>(kf != nullptr ? kf[d] : 0.f);
+        for (std::int32_t d = 0; d < Dv; ++d) fv[d] = from_float<T>(vf != nullptr ? vf[d] : 0.f);
+        for (std::int32_t c = 0; c < rk; ++c) fk[kc[c]] = pk[c];
+        for (std::int32_t c = 0; c < rv; ++c) fv[vc[c]] = pv[c];
+      }
     }
-  }
+  });
   return Status::ok();
 }
 

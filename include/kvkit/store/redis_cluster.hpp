@@ -2,7 +2,7 @@
 // Redis Cluster key slots: CRC16 (XMODEM) of the key, or of its hash tag, mod 16384.
 //
 // This is the routing function of a cluster client; the cluster backend itself (slot map
-// from CLUSTER SLOTS, MOVED / ASK / TRYAGAIN handling) is not written yet. With
+// from CLUSTER SLOTS, MOVED / ASK / TRYAGAIN handling) is redis_cluster_store.hpp. With
 // KeyStyle::kClusterTagged block keys, the tag is the block hash, so all 2L keys of one
 // block (every layer, K and V) share a slot and a block lives on one node.
 // Dependency-free: no hiredis needed for this header.

@@ -136,6 +136,7 @@ class RedisClusterBackend final : public BlockBackend {
     o.host = host;
     o.port = port;
     o.unix_path.clear();  // nodes are addressed by the slot map's host:port
+    o.allow_cluster_node = true;  // redirections are followed here (subset calls)
     nodes_.push_back(Node{host, port, std::make_unique<RedisBackend>(o)});
     return static_cast<int>(nodes_.size() - 1);
   }

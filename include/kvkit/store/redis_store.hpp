@@ -22,6 +22,10 @@
 // Batch writes use MSG_NOSIGNAL; hiredis' own writes (AUTH, SELECT, PING) to a closed
 // socket would raise SIGPIPE, so connecting sets SIGPIPE to SIG_IGN when it is still
 // SIG_DFL (a process-wide setting, as most servers already have it).
+// A Redis Cluster node is refused at every connect (RedisOptions::allow_cluster_node,
+// ping_and_probe_mode): a single-server client would get MOVED for the keys of every slot
+// that other masters serve. A MOVED / ASK reply met anyway (a probe an ACL refused) fails
+// only its key, with a status that says MOVED and names redis-cluster://.
 // Client memory is bounded independently of the batch: a 256 KiB read buffer, the
 // formatted command headers of one window (values are referenced, not copied) and 16
 // bytes of bookkeeping per key; the in-flight byte window bounds what the server and the
@@ -42,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -71,12 +76,22 @@ struct RedisOptions {
   // SO_RCVBUF and SO_SNDBUF of the socket when nonzero (0: the kernel's defaults, which
   // autotune on TCP).
   std::size_t socket_buffer_bytes = 0;
+  // false (default): every (re)connect checks that the server is not a Redis Cluster node
+  // and fails with kUnsupported, naming redis-cluster://, when it is. true: no check (the
+  // per-node connections of RedisClusterBackend, which follows the redirections itself).
+  bool allow_cluster_node = false;
   /// Called after each reply of a batch with the number of replies so far (metrics, and
   /// tests that must act at a known point of a batch). Empty: not called.
   std::function<void(std::size_t)> on_reply;
 };
 
 namespace detail {
+// Two keys in different Redis Cluster slots (15495 and 3300), for the connect-time probe
+// whether a server is a cluster node: under kvblock: like the block keys, so an ACL key
+// pattern that admits those admits them.
+inline constexpr std::string_view kClusterProbeKeyA = "kvblock:cluster-probe:{a}";
+inline constexpr std::string_view kClusterProbeKeyB = "kvblock:cluster-probe:{b}";
+
 inline void parse_redis_credentials(std::string_view cred, RedisOptions* o) {
   const std::size_t colon = cred.find(':');
   if (colon == std::string_view::npos) {
@@ -193,7 +208,17 @@ class RedisBackend final : public BlockBackend {
   /// Connections opened so far (reconnects included).
   std::uint64_t connects() const { return connects_; }
 
-  /// (Re)connects if needed and PINGs, within one batch deadline.
+  /// (Re)connects if needed and PINGs, within one batch deadline. Every connect (this one,
+  /// or the lazy one of a batch call, reconnects included) also checks, in the same round
+  /// trip as its PING, that the server is not a Redis Cluster node (unless
+  /// allow_cluster_node): on one it fails with kUnsupported, naming the server's redis://
+  /// URL and redis-cluster://.
+  /// Why a Status and not a kvkit::Error thrown at construction: the constructor does no
+  /// I/O (an engine may build the backend before the server is up), whether a server is a
+  /// cluster node is found by I/O, like a refused connection or a failed AUTH, which are
+  /// Statuses too, and it can change when the server restarts, which only a reconnect
+  /// sees (batch calls must not throw). Callers that want to fail at open call connect()
+  /// and turn the Status into their own error, as `kvkit store-demo` does.
   Status connect() {
     const Clock::time_point deadline = Clock::now() + opt_.batch_deadline;
     KVKIT_RETURN_IF_ERROR(ensure_connected(deadline));
@@ -333,9 +358,15 @@ class RedisBackend final : public BlockBackend {
       redirects_->emplace_back(current_, std::string(r.text));
       return KeyState::kError;
     }
-    if (first_error_.empty())
+    if (first_error_.empty()) {
       first_error_ = r.type == '-' ? std::string(r.text)
                                    : std::string("unexpected reply type '") + r.type + "'";
+      // Not a subset call of RedisClusterBackend: a redirection cannot be followed here.
+      if (r.type == '-' && (r.text.substr(0, 6) == "MOVED " || r.text.substr(0, 4) == "ASK "))
+        first_error_ += " (" + url() +
+                        " answers as a Redis Cluster node, which a single-server RedisBackend "
+                        "cannot follow; use redis-cluster://)";
+    }
     return KeyState::kError;
   }
 
@@ -440,7 +471,80 @@ class RedisBackend final : public BlockBackend {
       const std::size_t len[2] = {6, db.size()};
       KVKIT_RETURN_IF_ERROR(simple_command(2, argv, len, deadline));
     }
-    return ping_locked(deadline);
+    return opt_.allow_cluster_node ? ping_locked(deadline) : ping_and_probe_mode(deadline);
+  }
+
+  // The URL this backend reaches, without credentials (for messages).
+  std::string url() const {
+    if (!opt_.unix_path.empty())
+      return "unix://" + opt_.unix_path + (opt_.db != 0 ? "?db=" + std::to_string(opt_.db) : "");
+    return "redis://" + opt_.host + ":" + std::to_string(opt_.port) +
+           (opt_.db != 0 ? "/" + std::to_string(opt_.db) : "");
+  }
+
+  // The connect-time health check with the cluster-node probe, pipelined (one round trip):
+  //   PING                -> PONG;
+  //   INFO cluster        -> "cluster_enabled:1" on a cluster node (Redis >= 3.0; O(1), a
+  //                          ~30-byte reply). INFO is in the ACL category @dangerous, so a
+  //                          user limited to @read / @write gets NOPERM;
+  //   EXISTS A B          -> (A, B in different slots) a count on a standalone server, an
+  //                          error on a cluster node: CROSSSLOT, or CLUSTERDOWN / MOVED /
+  //                          ASK / TRYAGAIN. Needs only EXISTS, which the backend uses
+  //                          anyway, so it still answers where INFO is refused.
+  // Either one saying "cluster" fails the connect. Both refused (or a Redis-protocol server
+  // that knows neither): taken as standalone; a MOVED met later still fails only its key.
+  // Via hiredis 0.14's synchronous API (redisAppendCommandArgv x3, then redisGetReply x3;
+  // it speaks RESP2 only, where INFO's answer is a plain bulk string), under the batch
+  // deadline like the PING alone.
+  Status ping_and_probe_mode(Clock::time_point deadline) {
+    if (!arm_timeout(deadline)) {
+      drop();
+      return make_status(StatusCode::kTimeout, "redis PING: batch deadline passed");
+    }
+    const char* ping[1] = {"PING"};
+    const std::size_t ping_len[1] = {4};
+    const char* info[2] = {"INFO", "cluster"};
+    const std::size_t info_len[2] = {4, 7};
+    const char* exists[3] = {"EXISTS", detail::kClusterProbeKeyA.data(), detail::kClusterProbeKeyB.data()};
+    const std::size_t exists_len[3] = {6, detail::kClusterProbeKeyA.size(), detail::kClusterProbeKeyB.size()};
+    redisAppendCommandArgv(ctx_, 1, ping, ping_len);
+    redisAppendCommandArgv(ctx_, 2, info, info_len);
+    redisAppendCommandArgv(ctx_, 3, exists, exists_len);
+    struct Free {
+      void operator()(redisReply* r) const { freeReplyObject(r); }
+    };
+    std::unique_ptr<redisReply, Free> rep[3];
+    for (auto& r : rep) {
+      void* raw = nullptr;
+      errno = 0;
+      if (redisGetReply(ctx_, &raw) != REDIS_OK || raw == nullptr) return io_failure("PING", deadline);
+      r.reset(static_cast<redisReply*>(raw));
+    }
+    Status s;
+    auto text = [](const redisReply* r) { return std::string_view(r->str, r->len); };
+    if (!(rep[0]->type == REDIS_REPLY_STATUS && text(rep[0].get()) == "PONG")) {
+      s = make_status(StatusCode::kIoError, "redis PING did not answer PONG");
+    } else {
+      std::string evidence;
+      if (rep[1]->type == REDIS_REPLY_STRING &&
+          text(rep[1].get()).find("cluster_enabled:1") != std::string_view::npos) {
+        evidence = "INFO cluster says cluster_enabled:1";
+      } else if (rep[2]->type == REDIS_REPLY_ERROR) {
+        const std::string_view e = text(rep[2].get());
+        for (std::string_view p : {"CROSSSLOT", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN"})
+          if (e.substr(0, p.size()) == p) evidence = "EXISTS over two slots: " + std::string(e);
+      }
+      if (!evidence.empty())
+        s = make_status(StatusCode::kUnsupported, url(), " is a Redis Cluster node (", evidence,
+                        "): a single-server RedisBackend would get MOVED for the keys of every "
+                        "slot other masters serve; use ",
+                        opt_.unix_path.empty() ? "redis-cluster://" + opt_.host + ":" +
+                                                     std::to_string(opt_.port)
+                                               : std::string("redis-cluster://HOST:PORT"),
+                        " (RedisClusterBackend)");
+    }
+    if (!s.is_ok()) drop();
+    return s;
   }
 
   // Replies are read straight from the socket (hiredis 0.14's reader reads 16 KiB at a
