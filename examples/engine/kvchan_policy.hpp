@@ -135,6 +135,16 @@ class KvchanPolicy : public EnginePolicy {
     }
     s.emplace_back("check_max_kl", mx);
     s.emplace_back("check_mean_kl", checks_.empty() ? 0.0 : sum / static_cast<double>(checks_.size()));
+    // The settings the run used, so a JSON record says what produced it (kvchan_score is
+    // ChannelScore: 0 ema, 1 think, 2 centered; flags are 0/1).
+    const channel::ChannelParams& p = opt_.params;
+    s.emplace_back("kvchan_window", p.window);
+    s.emplace_back("kvchan_r_k", sel_ ? sel_->r_k() : p.r_k);
+    s.emplace_back("kvchan_r_v", sel_ ? sel_->r_v() : p.r_v);
+    s.emplace_back("kvchan_compress_k", p.compress_k ? 1 : 0);
+    s.emplace_back("kvchan_score", static_cast<double>(static_cast<int>(p.score)));
+    s.emplace_back("kvchan_v_compensation", p.mean_compensation ? 1 : 0);
+    s.emplace_back("kvchan_k_compensation", p.k_compensation ? 1 : 0);
     return s;
   }
 

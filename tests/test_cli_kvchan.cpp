@@ -1,0 +1,221 @@
+// `kvkit generate --policy kvchan ... --compare-full --json` for every key score (ema, think,
+// centered) with key compensation (--kvchan-k-compensate) off and on. Each JSON must name
+// the settings it ran with, have packed heads, and hold packed bytes equal to what rK / rV
+// and the page counts give (computed here from the model's shape, not from the CLI);
+// fidelity fields must be in range; key compensation must change the fidelity numbers while
+// the selection (same score, same forced tokens) stays the same; a command run twice prints
+// the same JSON (timing aside). Bad values exit non-zero naming the value.
+
+#include <nlohmann/json.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "cli_runner.hpp"
+
+using namespace kvkit::test;
+
+namespace {
+
+// Model shape the byte accounting is checked with (from ../shared/models/README.md).
+struct Shape {
+  std::int64_t layers, kv_heads, head_dim;
+};
+constexpr Shape kStories{5, 4, 8};
+constexpr Shape kSmol{30, 3, 64};
+
+struct Run {
+  const char* score;
+  std::int64_t score_code;  // kvchan_score: ChannelScore's value
+};
+constexpr Run kScores[] = {{"ema", 0}, {"think", 1}, {"centered", 2}};
+
+// The JSON without its timing fields.
+nlohmann::json untimed(nlohmann::json j) {
+  for (const char* key : {"tokens_per_s", "prefill_tokens_per_s", "prefill_seconds", "decode_seconds"}) j.erase(key);
+  return j;
+}
+
+std::int64_t i64(const nlohmann::json& j, const char* key) {
+  INFO("field " << key);
+  REQUIRE(j.contains(key));
+  return j.at(key).get<std::int64_t>();
+}
+
+double num(const nlohmann::json& j, const char* key) {
+  INFO("field " << key);
+  REQUIRE(j.contains(key));
+  return j.at(key).get<double>();
+}
+
+// One model's run settings. The fidelity guard is off (--check-every 0): a back-off would
+// make the runs with and without key compensation diverge in what they select.
+struct Config {
+  std::string model_args;  // --model ... and --steps or --prompt/--max-tokens
+  Shape shape;
+  std::int64_t page, window, rk, rv;
+  bool expect_saving;  // enough old tokens that packing saves more than the metadata costs
+};
+
+std::string command(const Config& c, const std::string& score, bool k_comp) {
+  return "generate " + c.model_args + " --page-size " + std::to_string(c.page) + " --policy kvchan --W " +
+         std::to_string(c.window) + " --rK " + std::to_string(c.rk) + " --rV " + std::to_string(c.rv) +
+         " --T-update 4 --N-stable 2 --kvchan-retention 0.75 --kvchan-stable-frac 0.8 --check-every 0" +
+         " --kvchan-score " + score + (k_comp ? " --kvchan-k-compensate" : "") + " --compare-full --json";
+}
+
+// Settings, packing, byte accounting and fidelity ranges of one run.
+void check_run(const nlohmann::json& j, const Config& c, const Run& r, bool k_comp) {
+  const Shape& m = c.shape;
+  const std::int64_t page = c.page;
+  // Settings.
+  REQUIRE(j.at("policy") == "kvchan");
+  REQUIRE(j.at("compare_full") == true);
+  REQUIRE(i64(j, "page_size") == page);
+  REQUIRE(i64(j, "kvchan_window") == c.window);
+  REQUIRE(i64(j, "kvchan_r_k") == c.rk);
+  REQUIRE(i64(j, "kvchan_r_v") == c.rv);
+  REQUIRE(i64(j, "kvchan_compress_k") == 1);
+  REQUIRE(i64(j, "kvchan_score") == r.score_code);
+  REQUIRE(i64(j, "kvchan_k_compensation") == (k_comp ? 1 : 0));
+  REQUIRE(i64(j, "kvchan_v_compensation") == 0);
+
+  // Positions: the prompt and every generated token but the last (pending) one.
+  const nlohmann::json& seq = j.at("sequences").at(0);
+  const std::int64_t prompt_len = static_cast<std::int64_t>(seq.at("prompt").size());
+  const std::int64_t kv_len = i64(j, "steps");
+  REQUIRE(static_cast<std::int64_t>(seq.at("tokens").size()) == kv_len + 1);
+
+  // Packed at the end, old tokens in whole pages, a window of W .. W + P - 1 tokens.
+  REQUIRE(i64(j, "packed_heads") == m.layers * m.kv_heads);
+  REQUIRE(i64(j, "selection_updates") > 0);
+  REQUIRE(i64(j, "backoffs") == 0);
+  REQUIRE(i64(j, "restored_tokens") == 0);
+  const std::int64_t old = i64(j, "old_tokens");
+  REQUIRE(old > 0);
+  REQUIRE(old % page == 0);
+  REQUIRE(kv_len - old >= c.window);
+  REQUIRE(kv_len - old < c.window + page);
+
+  // Bytes: the engine keeps full-width float K and V pages for the window, the policy rK + rV
+  // floats per old token and (layer, kv head), plus its metadata.
+  const std::int64_t full_page = 2 * m.layers * m.kv_heads * page * m.head_dim * 4;
+  const std::int64_t packed_expected = (old / page) * m.layers * m.kv_heads * page * (c.rk + c.rv) * 4;
+  const std::int64_t packed = i64(j, "kvchan_packed_bytes");
+  const std::int64_t meta = i64(j, "kvchan_metadata_bytes");
+  REQUIRE(packed == packed_expected);
+  REQUIRE(meta > 0);
+  REQUIRE(i64(j, "kvchan_pool_bytes") == packed + meta);  // no full-width pages in the pool when packed
+  const std::int64_t pages = i64(j, "pages_in_use");
+  REQUIRE(pages == (kv_len - old + page - 1) / page);
+  const std::int64_t final_bytes = i64(j, "kv_bytes_final");
+  REQUIRE(final_bytes == pages * full_page + packed_expected + meta);
+  const std::int64_t full_final = i64(j, "full_kv_bytes_final");
+  REQUIRE(full_final == (kv_len + page - 1) / page * full_page);
+  if (c.expect_saving) REQUIRE(full_final > final_bytes);
+
+  // Fidelity fields (the guard never ran).
+  const double top1 = num(j, "top1_agreement"), mean_kl = num(j, "mean_kl"), max_kl = num(j, "max_kl");
+  REQUIRE((top1 >= 0.0 && top1 <= 1.0));
+  REQUIRE(mean_kl > 0.0);  // packed tokens change the logits
+  REQUIRE(max_kl >= mean_kl);
+  REQUIRE(std::isfinite(max_kl));
+  REQUIRE(i64(j, "compare_steps") == kv_len - prompt_len + 1);
+  REQUIRE(i64(j, "checks") == 0);
+  REQUIRE(num(j, "check_max_kl") == 0.0);
+}
+
+// Key compensation only acts on packed tokens, so until the first pack the runs with and
+// without it are the same computation: when they pack, what they select and the byte counts
+// agree; the fidelity numbers must not (compensation must have an effect). (stable_heads
+// may differ: the selector keeps scoring K/V computed after the pack.)
+void check_compensation_effect(const nlohmann::json& off, const nlohmann::json& on, const Shape& m) {
+  for (const char* key : {"selection_updates", "packed_heads", "old_tokens", "kvchan_packed_bytes", "pages_in_use",
+                          "full_kv_bytes_final", "compare_steps", "steps"}) {
+    INFO("field " << key);
+    REQUIRE(off.at(key) == on.at(key));
+  }
+  REQUIRE(off.at("sequences") == on.at("sequences"));  // tokens forced by the full engine
+  // Key compensation keeps a float64 sum and a float mean per (layer, kv head, dim).
+  REQUIRE(i64(on, "kvchan_metadata_bytes") - i64(off, "kvchan_metadata_bytes") ==
+          m.layers * m.kv_heads * m.head_dim * (8 + 4));
+  REQUIRE(num(on, "mean_kl") != num(off, "mean_kl"));
+  REQUIRE(num(on, "max_kl") != num(off, "max_kl"));
+}
+
+void check_score(const Config& c, const Run& r, bool repeat) {
+  INFO("score " << r.score);
+  const std::string off_cmd = command(c, r.score, false), on_cmd = command(c, r.score, true);
+  const nlohmann::json off = run_json(off_cmd);
+  const nlohmann::json on = run_json(on_cmd);
+  {
+    INFO(off_cmd);
+    check_run(off, c, r, false);
+  }
+  {
+    INFO(on_cmd);
+    check_run(on, c, r, true);
+    if (repeat) REQUIRE(untimed(run_json(on_cmd)) == untimed(on));  // deterministic
+  }
+  check_compensation_effect(off, on, c.shape);
+}
+
+bool sanitized_build() {
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  return true;
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TEST_CASE("kvkit generate --policy kvchan: every score with and without key compensation (stories260K)",
+          "[cli][kvchan]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  const Config c{"--model '" + kStoriesPath + "' --steps 160", kStories, 8, 16, 4, 6, true};
+  for (const Run& r : kScores) check_score(c, r, /*repeat=*/true);
+}
+
+TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensation off and on",
+          "[cli][kvchan][smollm2]") {
+  // The sanitizer build runs only stories260K (CI's has no other model).
+  if (sanitized_build() || !std::filesystem::exists(kSmolPath)) {
+    WARN("skipped: no model file " << kSmolPath << (sanitized_build() ? " (not run in the sanitizer build)" : ""));
+    return;
+  }
+  const Config c{"--model '" + kSmolPath + "' --prompt 'Write merge sort in Python.' --max-tokens 20", kSmol, 8, 8,
+                 32, 48, false};
+  check_score(c, kScores[2], /*repeat=*/false);
+}
+
+TEST_CASE("kvkit generate --policy kvchan rejects bad values naming them", "[cli][kvchan]") {
+  const std::string model = model_arg();
+  const CliResult bad_score = run_cli("generate " + model + "--steps 8 --policy kvchan --kvchan-score foo");
+  INFO(bad_score.err);
+  REQUIRE(bad_score.code != 0);
+  REQUIRE_THAT(bad_score.err, Catch::Contains("foo"));
+  // --kvchan-k-compensate belongs to --policy kvchan only.
+  for (const char* policy : {"", "--policy r1kv ", "--policy none "}) {
+    const CliResult r = run_cli("generate " + model + "--steps 8 " + policy + "--kvchan-k-compensate");
+    INFO(policy << ": " << r.err);
+    REQUIRE(r.code != 0);
+    REQUIRE_THAT(r.err, Catch::Contains("--kvchan-k-compensate"));
+  }
+  const CliResult bad_json = run_cli("generate " + model + "--steps 8 --policy kvchan --kvchan-score foo --json");
+  REQUIRE(bad_json.code != 0);
+  REQUIRE_THAT(bad_json.out, Catch::Contains("foo"));  // the error object names it too
+}
