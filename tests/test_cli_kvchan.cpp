@@ -215,6 +215,11 @@ TEST_CASE("kvkit generate --policy kvchan rejects bad values naming them", "[cli
     REQUIRE(r.code != 0);
     REQUIRE_THAT(r.err, Catch::Contains("--kvchan-k-compensate"));
   }
+  // Keys kept full width have no dropped dims to compensate.
+  const CliResult no_k = run_cli("generate " + model + "--steps 8 --policy kvchan --no-k --kvchan-k-compensate");
+  INFO(no_k.err);
+  REQUIRE(no_k.code != 0);
+  REQUIRE_THAT(no_k.err, Catch::Contains("--kvchan-k-compensate") && Catch::Contains("--no-k"));
   const CliResult bad_json = run_cli("generate " + model + "--steps 8 --policy kvchan --kvchan-score foo --json");
   REQUIRE(bad_json.code != 0);
   REQUIRE_THAT(bad_json.out, Catch::Contains("foo"));  // the error object names it too

@@ -391,6 +391,10 @@ TEST_CASE("rejected parameters name the value", "[kvchan]") {
   p = {};
   p.thresholds.top_k = 0;
   CHECK_THROWS_WITH(make(p), Contains("top_k") && Contains("got 0"));
+  p = {};
+  p.compress_k = false;
+  p.k_compensation = true;
+  CHECK_THROWS_WITH(make(p), Contains("k_compensation needs compress_k"));
   CHECK_THROWS_AS(make(p), Error);
 }
 

@@ -99,6 +99,7 @@ inline PolicyEntry kvchan_policy_entry() {
     p.ema_decay = static_cast<float>(o->ema);
     p.min_retention = o->retention;
     p.min_stable_fraction = o->stable_frac;
+    KVKIT_CHECK(!(o->no_k && o->k_compensate), "kvchan: --kvchan-k-compensate needs compressed keys, not --no-k");
     KVKIT_CHECK(o->r_v >= 0, "kvchan: rV must be in [1, head_dim ", c.head_dim(), "], got ", o->r_v);
     p.validate(c.head_dim());  // bad values are usage errors (exit 2) before the run
     ko.jsonl_path = o->jsonl;

@@ -114,6 +114,9 @@ struct ChannelParams {
                   "], got ", r_k);
     KVKIT_CHECK(r_v >= 0 && r_v <= head_dim, "kvchan: rV must be in [1, head_dim ", head_dim,
                 "] (0: head_dim), got ", r_v);
+    // Keys kept full width drop no dims, so a key compensation there would silently do nothing.
+    KVKIT_CHECK(compress_k || !k_compensation,
+                "kvchan: k_compensation needs compress_k (keys full width have no dropped dims)");
     KVKIT_CHECK(window >= 1, "kvchan: W must be >= 1, got ", window);
     KVKIT_CHECK(t_update >= 1, "kvchan: T_update must be >= 1, got ", t_update);
     KVKIT_CHECK(n_stable >= 1, "kvchan: N_stable must be >= 1, got ", n_stable);
