@@ -281,8 +281,12 @@ TEST_CASE("batched prefill matches teacher forcing on SmolLM2-135M-Instruct", "[
   const double e = rel_err(qb.logits, qa.logits), eq = rel_err(qb.logits, b.logits);
   WARN("SmolLM2 relative logit error: quantized prefill vs quantized teacher forcing " << e
                                                                                       << ", vs float prefill " << eq);
-  CHECK(e < 0.15);
-  CHECK(eq < 0.15);
+  // 8-bit activation rounding turns summation-order differences into quantization steps, and
+  // random prompts have a heavy tail (float above: 50x between median and max over 111
+  // seeds). Measured over 16 seeds: e <= 0.042 (median 0.015), eq <= 0.062; the bounds keep a
+  // 6x margin. Logits of a wrong row, position or block scale differ by about 1.
+  CHECK(e < 0.25);
+  CHECK(eq < 0.4);
   // Loaded without float projections (the CLI's default): the same quantized run, bit for bit.
   const auto qonly = std::make_shared<const Checkpoint>(load_gguf_checkpoint(kSmolPath, /*float_projections=*/false));
   CHECK_FALSE(qonly->has_float_projections());
