@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvkit/core/block_hash.hpp"
+#include "reference.hpp"
 
 using namespace kvkit;
 
@@ -21,8 +22,10 @@ namespace {
 
 std::string hex(const Sha256::Digest& d) { return to_hex(d.data(), d.size()); }
 
+// Seeded by test::test_seed() (so KVKIT_TEST_SEED=<seed> replays a failure), cut to the
+// 32 bits std::mt19937 uses: the CAPTUREd seed is then exactly the one to replay with.
 std::mt19937 fresh_rng(std::uint32_t& seed) {
-  seed = std::random_device{}();
+  seed = static_cast<std::uint32_t>(kvkit::test::test_seed());
   return std::mt19937(seed);
 }
 

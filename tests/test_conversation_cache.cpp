@@ -70,6 +70,37 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return num / den;
 }
 
+// Resumed batched prefill (only the new tokens) vs recomputed batched prefill (the whole
+// prompt): the same math in other chunks, so float32 summation orders differ through the
+// 5 layers. No analytic bound for a multi-layer run: measured max relative logit error per
+// run 9.5e-6 over 500 seeds (median 3.2e-6, p99 6.2e-6; stories260K, Release, x86-64);
+// 1e-4 is 10x the observed maximum.
+constexpr double kPrefillLogitTol = 1e-4;
+
+// Compares a resumed turn with its recomputation when the two ran different arithmetic
+// (batched prefill in other chunks): logits within kPrefillLogitTol up to the first
+// differing greedy token, which is allowed only as a near-tie the rounding can flip. If
+// |got - ref| <= tol * M elementwise (M = max |ref|), the two tokens' reference logits are
+// within 2 tol M of each other; anything wider is a real divergence.
+void check_close_turn(const TurnOut& got, const TurnOut& ref) {
+  REQUIRE(got.tokens.size() == ref.tokens.size());
+  for (std::size_t i = 0; i < got.tokens.size(); ++i) {
+    INFO("reply step " << i);
+    CHECK(rel_err(got.logits[i], ref.logits[i]) < kPrefillLogitTol);
+    if (got.tokens[i] == ref.tokens[i]) continue;
+    const std::vector<float>& r = ref.logits[i];
+    double mag = 0;
+    for (float x : r) mag = std::max(mag, std::abs(static_cast<double>(x)));
+    const double gap = static_cast<double>(r[static_cast<std::size_t>(ref.tokens[i])]) -
+                       r[static_cast<std::size_t>(got.tokens[i])];
+    INFO("greedy tokens differ: got " << got.tokens[i] << ", reference " << ref.tokens[i]
+                                      << ", reference logit gap " << gap << " (max |logit| " << mag << ")");
+    CHECK(gap <= 2 * kPrefillLogitTol * mag);
+    WARN("greedy near-tie flipped by rounding at reply step " << i << " (gap " << gap << "): later steps not compared");
+    return;  // the runs continue from different tokens
+  }
+}
+
 }  // namespace
 
 TEST_CASE("resumed turns decode exactly what recomputing the whole history decodes", "[conversation]") {
@@ -101,13 +132,12 @@ TEST_CASE("resumed turns decode exactly what recomputing the whole history decod
             static_cast<std::int32_t>(user.size()) + 1);
       const TurnOut got = decode_turn(eng, s, 6, use_prefill);
       const TurnOut ref = recompute(ck, o, prompt, 6, use_prefill);
-      REQUIRE(got.tokens == ref.tokens);
-      for (std::size_t i = 0; i < got.logits.size(); ++i) {
-        if (use_prefill) {
-          CHECK(rel_err(got.logits[i], ref.logits[i]) < 1e-4);
-        } else {
+      if (use_prefill) {
+        check_close_turn(got, ref);
+      } else {
+        REQUIRE(got.tokens == ref.tokens);
+        for (std::size_t i = 0; i < got.logits.size(); ++i)
           CHECK(got.logits[i] == ref.logits[i]);  // same arithmetic, bit for bit
-        }
       }
       history = eng.tokens(s);
       processed_before = eng.position(s);
