@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <tuple>
 
 #include "cli_runner.hpp"
 
@@ -194,12 +195,40 @@ TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensa
           "[cli][kvchan][smollm2]") {
   // The sanitizer build runs only stories260K (CI's has no other model).
   if (sanitized_build() || !std::filesystem::exists(kSmolPath)) {
-    WARN("skipped: no model file " << kSmolPath << (sanitized_build() ? " (not run in the sanitizer build)" : ""));
+    if (sanitized_build())
+      WARN("skipped: SmolLM2 is not run in the sanitizer build (too slow there; the Release build runs it)");
+    else
+      WARN("skipped: no model file " << kSmolPath);
     return;
   }
   const Config c{"--model '" + kSmolPath + "' --prompt 'Write merge sort in Python.' --max-tokens 20", kSmol, 8, 8,
                  32, 48, false};
   check_score(c, kScores[2], /*repeat=*/false);
+}
+
+TEST_CASE("kvkit generate --policy kvchan: the fidelity guard's limits come from the CLI", "[cli][kvchan]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  // rK 4 of 8 on stories260K: the default limits fail the checks and back off; limits that
+  // admit anything pass every check, so each flag reaches the guard.
+  const std::string base = "generate --model '" + kStoriesPath +
+                           "' --steps 160 --page-size 8 --policy kvchan --W 16 --rK 4 --rV 6 --T-update 4"
+                           " --N-stable 2 --kvchan-retention 0.75 --kvchan-stable-frac 0.8 --check-every 8 --json";
+  const nlohmann::json strict = run_json(base);
+  CHECK(i64(strict, "checks") > 0);
+  CHECK(i64(strict, "checks_failed") > 0);
+  CHECK(i64(strict, "backoffs") > 0);
+  const nlohmann::json loose =
+      run_json(base + " --kvchan-max-kl 1e9 --kvchan-min-overlap 0 --kvchan-max-margin-drift 1e9 --kvchan-top-k 3");
+  CHECK(i64(loose, "checks") > 0);
+  CHECK(i64(loose, "checks_failed") == 0);
+  CHECK(i64(loose, "backoffs") == 0);
+  // Only the overlap limit left strict: checks still fail, on the overlap.
+  const nlohmann::json overlap_only =
+      run_json(base + " --kvchan-max-kl 1e9 --kvchan-max-margin-drift 1e9 --kvchan-min-overlap 1");
+  CHECK(i64(overlap_only, "checks_failed") > 0);
 }
 
 TEST_CASE("kvkit generate --policy kvchan rejects bad values naming them", "[cli][kvchan]") {
@@ -214,6 +243,15 @@ TEST_CASE("kvkit generate --policy kvchan rejects bad values naming them", "[cli
     INFO(policy << ": " << r.err);
     REQUIRE(r.code != 0);
     REQUIRE_THAT(r.err, Catch::Contains("--kvchan-k-compensate"));
+  }
+  for (const auto& [flag, value, shown] :
+       {std::tuple<const char*, const char*, const char*>{"--kvchan-min-overlap", "1.5", "1.5"},
+        {"--kvchan-max-margin-drift", "-1", "-1"},
+        {"--kvchan-top-k", "0", "got 0"}}) {
+    const CliResult r = run_cli("generate " + model + "--steps 8 --policy kvchan " + flag + " " + value);
+    INFO(flag << ": " << r.err);
+    REQUIRE(r.code != 0);
+    REQUIRE_THAT(r.err, Catch::Contains(shown));
   }
   // Keys kept full width have no dropped dims to compensate.
   const CliResult no_k = run_cli("generate " + model + "--steps 8 --policy kvchan --no-k --kvchan-k-compensate");

@@ -13,6 +13,9 @@
 //   --kvchan-compensate   dropped V dims read as their mean over the packed tokens
 //   --kvchan-k-compensate dropped K dims read as their mean over the packed tokens (lse bias)
 //   --kvchan-max-kl X     fidelity KL threshold in nats (default 0.01)
+//   --kvchan-min-overlap X  top-k overlap a check must reach (default 0.8)
+//   --kvchan-max-margin-drift X  margin drift a check allows, logit units (default 0.5)
+//   --kvchan-top-k N      tokens the overlap compares (default 5)
 //   --kvchan-ema A        EMA decay of the statistics (default 0.95)
 //   --kvchan-retention X  retention of a stable update (default 0.9)
 //   --kvchan-stable-frac X  fraction of stable heads that starts packing (default 1)
@@ -35,13 +38,15 @@ inline PolicyEntry kvchan_policy_entry() {
     bool no_k = false, compensate = false, k_compensate = false;
     std::string mode = "dynamic", score = "ema", jsonl;
     double max_kl = 1e-2, ema = 0.95, retention = 0.9, stable_frac = 1.0;
+    channel::FidelityThresholds guard;  // overlap / margin-drift limits and top_k of the checks
   };
   auto o = std::make_shared<Opts>();
   PolicyEntry e;
   e.names = {"kvchan"};
   e.option_names = {"--W",         "--rK",          "--rV",           "--check-every",
                     "--T-update",  "--N-stable",    "--no-k",         "--kvchan-mode",
-                    "--kvchan-score", "--kvchan-compensate", "--kvchan-k-compensate", "--kvchan-max-kl", "--kvchan-ema",
+                    "--kvchan-score", "--kvchan-compensate", "--kvchan-k-compensate", "--kvchan-max-kl",
+                    "--kvchan-min-overlap", "--kvchan-max-margin-drift", "--kvchan-top-k", "--kvchan-ema",
                     "--kvchan-retention", "--kvchan-stable-frac", "--jsonl"};
   e.add_options = [o](CLI::App& g) {
     g.add_option("--W", o->window, "kvchan: full-width window of recent tokens (default 128)")->type_name("N");
@@ -66,6 +71,14 @@ inline PolicyEntry kvchan_policy_entry() {
                "kvchan: dropped K dims read as their mean over the packed tokens (a log-sum-exp bias)");
     g.add_option("--kvchan-max-kl", o->max_kl, "kvchan: fidelity check KL threshold in nats (default 0.01)")
         ->type_name("X");
+    g.add_option("--kvchan-min-overlap", o->guard.min_overlap,
+                 "kvchan: fidelity check top-k overlap it must reach, in [0, 1] (default 0.8)")
+        ->type_name("X");
+    g.add_option("--kvchan-max-margin-drift", o->guard.max_margin_drift,
+                 "kvchan: fidelity check margin drift allowed, logit units (default 0.5)")
+        ->type_name("X");
+    g.add_option("--kvchan-top-k", o->guard.top_k, "kvchan: tokens the overlap compares (default 5)")
+        ->type_name("N");
     g.add_option("--kvchan-ema", o->ema, "kvchan: EMA decay of the |k|, |v| statistics, in [0, 1) (default 0.95)")
         ->type_name("A");
     g.add_option("--kvchan-retention", o->retention,
@@ -95,6 +108,7 @@ inline PolicyEntry kvchan_policy_entry() {
     p.score = o->score == "think"      ? channel::ChannelScore::kThink
               : o->score == "centered" ? channel::ChannelScore::kCentered
                                        : channel::ChannelScore::kEma;
+    p.thresholds = o->guard;
     p.thresholds.max_kl = o->max_kl;
     p.ema_decay = static_cast<float>(o->ema);
     p.min_retention = o->retention;
