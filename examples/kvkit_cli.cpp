@@ -122,6 +122,7 @@ struct Options {
   // GGUF text generation and chat.
   std::string system;
   std::string prefill = "batch";
+  std::string matvec = "quantized";  // GGUF projections: quantized (int8 activations) or float
   std::int32_t max_tokens = 128;
   bool chat = false;
   bool stop_at_eos = false;
@@ -204,6 +205,12 @@ void add_engine_options(CLI::App& cmd, Options& o, bool prompts = true) {
   cmd.add_option("--layout", o.layout, "page layout: nhd or hnd (default nhd)")
       ->type_name("L")
       ->check(CLI::IsMember({"nhd", "hnd"}));
+  cmd.add_option("--matvec", o.matvec,
+                 "GGUF projections: quantized (the file's blocks against int8 activations, as llama.cpp; "
+                 "default) or float (weights dequantized at load, float32 activations: no activation "
+                 "rounding, so --compare-full measures only the policy; about 5x the weight memory)")
+      ->type_name("MODE")
+      ->check(CLI::IsMember({"quantized", "float"}));
   cmd.add_flag("--json", o.json, "print exactly one JSON object on stdout");
   if (!prompts) return;
   cmd.add_option("--prompt", o.prompt_texts, "prompt: text with a GGUF model, else token ids, e.g. \"1 2 3\" (repeatable; see below)")
@@ -404,7 +411,9 @@ LoadedModel load_model(const Options& o) {
             "synthetic"};
   }
   if (is_gguf(o.model))
-    return {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(o.model, /*float_projections=*/false)), o.model};
+    return {std::make_shared<const Checkpoint>(
+                kvkit::engine::load_gguf_checkpoint(o.model, /*float_projections=*/o.matvec == "float")),
+            o.model};
   return {std::make_shared<const Checkpoint>(kvkit::engine::load_checkpoint(o.model)), o.model};
 }
 
@@ -483,6 +492,7 @@ EngineOptions engine_options(const Options& o, const kvkit::engine::ModelConfig&
   e.num_pages = o.num_pages_given ? o.num_pages : 0;
   e.contiguous = o.contiguous;
   e.threads = o.threads;
+  e.quantized_matvec = o.matvec != "float";
   return e;
 }
 
@@ -798,10 +808,10 @@ struct TextModel {
   std::int32_t end_of_turn = -1;  // <|im_end|> (or EOS): closes an assistant turn in chat
 };
 
-TextModel load_text_model(const std::string& path) {
+TextModel load_text_model(const std::string& path, bool float_projections) {
   const kvkit::engine::GgufFile g = kvkit::engine::GgufFile::open(path);
   TextModel t;
-  t.model = {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(g, /*float_projections=*/false)), path};
+  t.model = {std::make_shared<const Checkpoint>(kvkit::engine::load_gguf_checkpoint(g, float_projections)), path};
   t.tok = std::make_shared<const Tokenizer>(Tokenizer::from_gguf(g));
   if (g.has("tokenizer.chat_template")) t.tmpl = ChatTemplate::from_gguf(g);
   t.end_of_turn = t.tok->find_token("<|im_end|>");
@@ -928,7 +938,7 @@ int cmd_generate_gguf(const Options& o) {
     throw UsageError("generate with a GGUF model needs --prompt TEXT or --prompt-file FILE");
   }
   if (o.system_given && !o.chat) throw UsageError("--system needs --chat");
-  const TextModel tm = load_text_model(o.model);
+  const TextModel tm = load_text_model(o.model, o.matvec == "float");
   const auto& c = tm.model.ckpt->config();
   std::vector<std::int32_t> prompt;
   if (o.chat) {
@@ -971,6 +981,7 @@ int cmd_generate_gguf(const Options& o) {
                     {"table", o.table},
                     {"contiguous", o.contiguous},
                     {"prefill", o.prefill},
+                    {"matvec", o.matvec},
                     {"sequences", Json::array({{{"index", 0}, {"prompt", prompt}, {"tokens", eng->tokens(id)}}})},
                     {"prompt_tokens", prompt},
                     {"tokens", t.generated},
@@ -1000,7 +1011,7 @@ int cmd_chat(const Options& o) {
   if (!is_gguf(o.model))
     throw UsageError("chat needs a GGUF model with a tokenizer and chat template; " + o.model +
                      " is not a GGUF file");
-  const TextModel tm = load_text_model(o.model);
+  const TextModel tm = load_text_model(o.model, o.matvec == "float");
   const auto& c = tm.model.ckpt->config();
   const EngineOptions eo = text_engine_options(o, c, c.seq_len);
   std::unique_ptr<Engine> eng;
@@ -1068,6 +1079,7 @@ int cmd_chat(const Options& o) {
                     {"page_size", eo.page_size},
                     {"threads", eo.threads},
                     {"prefill", o.prefill},
+                    {"matvec", o.matvec},
                     {"turns", turns},
                     {"kv_bytes_peak", eng ? eng->kv_bytes_peak() : 0},
                     {"pages_in_use", eng ? eng->pages_in_use() : 0}};

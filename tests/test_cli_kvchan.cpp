@@ -206,6 +206,39 @@ TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensa
   check_score(c, kScores[2], /*repeat=*/false);
 }
 
+TEST_CASE("kvkit generate --matvec float: SmolLM2 with every dim kept packs without changing the logits",
+          "[cli][kvchan][smollm2]") {
+  if (sanitized_build() || !std::filesystem::exists(kSmolPath)) {
+    if (sanitized_build())
+      WARN("skipped: SmolLM2 is not run in the sanitizer build (too slow there; the Release build runs it)");
+    else
+      WARN("skipped: no model file " << kSmolPath);
+    return;
+  }
+  // rK = rV = head_dim: packing moves every old token into the policy's pool and attention
+  // merges two parts by LSE, so only rounding may differ from the full cache. With float
+  // projections that rounding stays ~1e-12 nats. (With the default quantized projections the
+  // int8 activation rounding turns it into whole quantization steps: mean KL ~5e-4 on this
+  // prompt, which is why fidelity reports use --matvec float.) The guard's baseline must run
+  // the same float arithmetic, or its checks would see the quantization as a policy error.
+  const nlohmann::json j = run_json("generate --model '" + kSmolPath +
+                                    "' --matvec float --prompt 'Write merge sort in Python.' --max-tokens 48"
+                                    " --policy kvchan --W 16 --rK 64 --rV 64 --T-update 4 --N-stable 1"
+                                    " --check-every 8 --compare-full --json");
+  CHECK(j.at("matvec") == "float");
+  CHECK(i64(j, "packed_heads") == kSmol.layers * kSmol.kv_heads);
+  CHECK(i64(j, "old_tokens") > 0);
+  CHECK(i64(j, "checks") > 0);
+  CHECK(i64(j, "checks_failed") == 0);
+  CHECK(num(j, "check_max_kl") < 1e-9);
+  CHECK(num(j, "max_kl") < 1e-9);
+  CHECK(num(j, "top1_agreement") == 1.0);
+  const CliResult bad = run_cli("generate --model '" + kSmolPath + "' --matvec int4 --prompt hi");
+  INFO(bad.err);
+  CHECK(bad.code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("int4"));
+}
+
 TEST_CASE("kvkit generate --policy kvchan: the fidelity guard's limits come from the CLI", "[cli][kvchan]") {
   if (!std::filesystem::exists(kStoriesPath)) {
     WARN("skipped: no model file " << kStoriesPath);

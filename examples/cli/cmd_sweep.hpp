@@ -54,6 +54,7 @@ struct SweepOptions {
   std::vector<std::int32_t> budgets;
   std::int32_t buffer = 128, window = 8, kernel = 7, sinks = 4, threads = 1, page_size = 16;
   float lambda = 0.07f;
+  std::string matvec = "quantized";  // GGUF projections: quantized or float (see generate --matvec)
 };
 
 namespace detail {
@@ -85,7 +86,7 @@ inline SweepModel sweep_load(const SweepOptions& o) {
   std::string text = o.prompt_file.empty() ? o.prompt : sweep_read_file(o.prompt_file);
   if (!o.model.empty() && sweep_is_gguf(o.model)) {
     const engine::GgufFile g = engine::GgufFile::open(o.model);
-    m.ckpt = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g, /*float_projections=*/false));
+    m.ckpt = std::make_shared<const engine::Checkpoint>(engine::load_gguf_checkpoint(g, o.matvec == "float"));
     m.tok = std::make_shared<const engine::Tokenizer>(engine::Tokenizer::from_gguf(g));
     m.name = o.model;
     if (o.chat) {
@@ -200,6 +201,7 @@ inline engine::EngineOptions sweep_engine_options(const SweepOptions& o, const S
   e.page_size = o.page_size;
   e.max_batch = 1;
   e.threads = o.threads;
+  e.quantized_matvec = o.matvec != "float";
   if (m.tok) {  // the pool holds the run's positions, as generate sizes it
     const std::int64_t pos = std::min<std::int64_t>(c.seq_len, static_cast<std::int64_t>(m.prompt.size()) +
                                                                    std::max(o.max_tokens, o.free_max_tokens) - 1);
@@ -251,6 +253,7 @@ inline nlohmann::json sweep_run(const SweepOptions& o) {
             {"version", KVKIT_VERSION},
             {"model", m.name},
             {"threads", o.threads},
+            {"matvec", o.matvec},
             {"page_size", eo.page_size},
             {"buffer", o.buffer},
             {"prompt_tokens", m.prompt},
@@ -354,6 +357,10 @@ inline int run_sweep(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--threads", o.threads, "engine threads (default 1)")->check(CLI::Range(1, 64));
   app.add_option("--page-size", o.page_size, "tokens per KV page (default 16)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--matvec", o.matvec,
+                 "GGUF projections: quantized (int8 activations, default) or float (no activation rounding: "
+                 "the KL then measures only the policy)")
+      ->check(CLI::IsMember({"quantized", "float"}));
   bool json = true;  // --json is accepted for symmetry with generate: the output is always JSON
   app.add_flag("--json", json, "the output is always one JSON object");
   auto error = [](int code, const std::string& msg) {

@@ -424,6 +424,7 @@ class KvchanPolicy : public EnginePolicy {
     bo.layout = eng.options().layout;
     bo.max_batch = 1;
     bo.threads = eng.options().threads;
+    bo.quantized_matvec = eng.options().quantized_matvec;  // the same arithmetic as the run it checks
     bo.num_pages = static_cast<std::int32_t>((toks.size() + static_cast<std::size_t>(bo.page_size)) / bo.page_size + 1);
     auto base = std::make_unique<Engine>(eng.model().checkpoint_ptr(), bo);
     const SeqId b = base->add_sequence(toks);
