@@ -175,6 +175,27 @@ TEST_CASE("parse_redis_url: unix sockets", "[redis]") {
   CHECK(bad.unix_path.empty());
 }
 
+TEST_CASE("detail::is_redirection: MOVED / ASK with their space, nothing else", "[redis]") {
+  using kvkit::store::detail::is_redirection;
+  using kvkit::store::detail::starts_with;
+  CHECK(is_redirection("MOVED 3999 127.0.0.1:6381"));
+  CHECK(is_redirection("ASK 3999 127.0.0.1:6381"));
+  CHECK(is_redirection("MOVED "));
+  // Not redirections: the word alone or longer, lower case, other cluster errors.
+  for (const char* e : {"", "MOVED", "ASK", "ASKING", "MOVEDX 1 h:1", "moved 1 h:1", " MOVED 1 h:1",
+                        "TRYAGAIN Multiple keys request during rehashing of slot",
+                        "CROSSSLOT Keys in request don't hash to the same slot",
+                        "CLUSTERDOWN The cluster is down", "ERR unknown command"}) {
+    INFO(e);
+    CHECK_FALSE(is_redirection(e));
+  }
+  CHECK(starts_with("TRYAGAIN x", "TRYAGAIN"));
+  CHECK(starts_with("ASK", "ASK"));
+  CHECK(starts_with("x", ""));
+  CHECK_FALSE(starts_with("AS", "ASK"));
+  CHECK_FALSE(starts_with("", "A"));
+}
+
 TEST_CASE("RedisBackend: pipelined batch of 2048 values of 16 KiB", "[redis]") {
   RedisOptions o;
   if (!shared_options(&o)) return;

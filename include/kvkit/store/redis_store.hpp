@@ -92,6 +92,18 @@ namespace detail {
 inline constexpr std::string_view kClusterProbeKeyA = "kvblock:cluster-probe:{a}";
 inline constexpr std::string_view kClusterProbeKeyB = "kvblock:cluster-probe:{b}";
 
+// Whether `text` begins with `prefix` (std::string_view::starts_with is C++20).
+inline bool starts_with(std::string_view text, std::string_view prefix) {
+  return text.substr(0, prefix.size()) == prefix;
+}
+
+/// Whether a Redis error reply's text (without the '-') is a MOVED or ASK redirection,
+/// "MOVED 3999 127.0.0.1:6381" / "ASK 3999 127.0.0.1:6381": the key is served by another
+/// Redis Cluster node, which only RedisClusterBackend can follow. TRYAGAIN is not one.
+inline bool is_redirection(std::string_view text) {
+  return starts_with(text, "MOVED ") || starts_with(text, "ASK ");
+}
+
 inline void parse_redis_credentials(std::string_view cred, RedisOptions* o) {
   const std::size_t colon = cred.find(':');
   if (colon == std::string_view::npos) {
@@ -331,6 +343,7 @@ class RedisBackend final : public BlockBackend {
     return tv;
   }
 
+  // host:port or unix:PATH for I/O messages; url() is the pasteable form (scheme, db).
   std::string endpoint() const {
     return opt_.unix_path.empty() ? opt_.host + ":" + std::to_string(opt_.port)
                                   : "unix:" + opt_.unix_path;
@@ -353,8 +366,7 @@ class RedisBackend final : public BlockBackend {
 
   KeyState reply_error(const Reply& r) {
     if (redirects_ != nullptr && r.type == '-' &&
-        (r.text.substr(0, 6) == "MOVED " || r.text.substr(0, 4) == "ASK " ||
-         r.text.substr(0, 8) == "TRYAGAIN")) {
+        (detail::is_redirection(r.text) || detail::starts_with(r.text, "TRYAGAIN"))) {
       redirects_->emplace_back(current_, std::string(r.text));
       return KeyState::kError;
     }
@@ -362,7 +374,7 @@ class RedisBackend final : public BlockBackend {
       first_error_ = r.type == '-' ? std::string(r.text)
                                    : std::string("unexpected reply type '") + r.type + "'";
       // Not a subset call of RedisClusterBackend: a redirection cannot be followed here.
-      if (r.type == '-' && (r.text.substr(0, 6) == "MOVED " || r.text.substr(0, 4) == "ASK "))
+      if (r.type == '-' && detail::is_redirection(r.text))
         first_error_ += " (" + url() +
                         " answers as a Redis Cluster node, which a single-server RedisBackend "
                         "cannot follow; use redis-cluster://)";
@@ -474,7 +486,8 @@ class RedisBackend final : public BlockBackend {
     return opt_.allow_cluster_node ? ping_locked(deadline) : ping_and_probe_mode(deadline);
   }
 
-  // The URL this backend reaches, without credentials (for messages).
+  // The URL this backend reaches, without credentials (for messages). Not built from
+  // endpoint() (nor it from this): the unix forms differ ("unix:///p?db=N" vs "unix:/p").
   std::string url() const {
     if (!opt_.unix_path.empty())
       return "unix://" + opt_.unix_path + (opt_.db != 0 ? "?db=" + std::to_string(opt_.db) : "");
@@ -531,8 +544,9 @@ class RedisBackend final : public BlockBackend {
         evidence = "INFO cluster says cluster_enabled:1";
       } else if (rep[2]->type == REDIS_REPLY_ERROR) {
         const std::string_view e = text(rep[2].get());
+        // Not is_redirection: any cluster-only error is evidence, matched on the bare word.
         for (std::string_view p : {"CROSSSLOT", "CLUSTERDOWN", "MOVED", "ASK", "TRYAGAIN"})
-          if (e.substr(0, p.size()) == p) evidence = "EXISTS over two slots: " + std::string(e);
+          if (detail::starts_with(e, p)) evidence = "EXISTS over two slots: " + std::string(e);
       }
       if (!evidence.empty())
         s = make_status(StatusCode::kUnsupported, url(), " is a Redis Cluster node (", evidence,
