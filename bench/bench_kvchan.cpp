@@ -57,6 +57,7 @@
 #include "kvkit/channel/kvchan.hpp"
 #include "kvkit/channel/pack_pages.hpp"
 #include "kvkit/channel/packed_store.hpp"
+#include "kvkit/core/logits.hpp"
 #include "kvkit/core/thread_pool.hpp"
 #include "kvkit/kernels/cpu.hpp"
 #if defined(KVKIT_BENCH_KVCHAN_ENGINE)
@@ -473,17 +474,25 @@ const double* prefix_at(const std::vector<double>& ps, const Trace& t, std::int3
   return ps.data() + ((static_cast<std::size_t>(l) * (t.n + 1) + j) * t.H + h) * t.D;
 }
 
-// KL(softmax(a) || softmax(b)) in float64 from scaled scores [n] and their maxima.
-double softmax_kl(const double* a, double ma, const double* b, double mb, std::int32_t n) {
-  double za = 0, zb = 0;
-  for (std::int32_t j = 0; j < n; ++j) {
-    za += std::exp(a[j] - ma);
-    zb += std::exp(b[j] - mb);
+// Calls f(n, old, l, h, q, mask) for every (eval step, layer, query head), in that order:
+// n tokens attended at the step, the first `old` of them older than the window W, h the
+// query head's kv head, q its query [D], mask[d] = 1 for the r dims `sel` keeps for (l, h)
+// [D]. The loop the K and V pruning measurements share.
+template <class F>
+void for_each_masked_head(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r,
+                          std::int32_t W, F&& f) {
+  std::vector<char> mask(static_cast<std::size_t>(t.D));
+  for (std::size_t s : eval_steps(t)) {
+    const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
+    for (std::int32_t l = 0; l < t.L; ++l)
+      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq) {
+        const std::int32_t h = hq / t.G;
+        std::fill(mask.begin(), mask.end(), 0);
+        const std::int32_t* keep = sel.data() + (static_cast<std::size_t>(l) * t.H + h) * r;
+        for (std::int32_t c = 0; c < r; ++c) mask[static_cast<std::size_t>(keep[c])] = 1;
+        f(n, old, l, h, t.qrow(s, l, hq), static_cast<const char*>(mask.data()));
+      }
   }
-  const double la = std::log(za) + ma, lb = std::log(zb) + mb;
-  double kl = 0;
-  for (std::int32_t j = 0; j < n; ++j) kl += std::exp(a[j] - la) * ((a[j] - la) - (b[j] - lb));
-  return std::max(0.0, kl);
 }
 
 // KL(dense || packed) of every (eval step, layer, query head). Tokens older than the
@@ -494,43 +503,31 @@ std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t
   std::vector<double> kls;
   const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
   std::vector<double> a, b;
-  std::vector<char> mask(static_cast<std::size_t>(t.D));
-  for (std::size_t s : eval_steps(t)) {
-    const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
+  for_each_masked_head(t, sel, r, W, [&](std::int32_t n, std::int32_t old, std::int32_t l, std::int32_t h,
+                                         const float* q, const char* mask) {
     a.resize(static_cast<std::size_t>(n));
     b.resize(static_cast<std::size_t>(n));
-    for (std::int32_t l = 0; l < t.L; ++l)
-      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq) {
-        const std::int32_t h = hq / t.G;
-        std::fill(mask.begin(), mask.end(), 0);
-        const std::int32_t* ks = sel.data() + (static_cast<std::size_t>(l) * t.H + h) * r;
-        for (std::int32_t c = 0; c < r; ++c) mask[static_cast<std::size_t>(ks[c])] = 1;
-        const float* q = t.qrow(s, l, hq);
-        double bias = 0;
-        const std::int32_t s0 = std::min(g_sink, old);  // packed tokens: [s0, old)
-        if (compensate && old > s0) {
-          const double* sum = prefix_at(kps, t, l, old, h);
-          const double* sum0 = prefix_at(kps, t, l, s0, h);
-          for (std::int32_t d = 0; d < t.D; ++d)
-            if (!mask[static_cast<std::size_t>(d)]) bias += static_cast<double>(q[d]) * (sum[d] - sum0[d]) / (old - s0);
-        }
-        double ma = -1e300, mb = -1e300;
-        for (std::int32_t j = 0; j < n; ++j) {
-          const float* k = t.krow(l, j, h);
-          double full = 0, part = 0;
-          for (std::int32_t d = 0; d < t.D; ++d) {
-            const double x = static_cast<double>(q[d]) * k[d];
-            full += x;
-            part += mask[static_cast<std::size_t>(d)] ? x : 0.0;
-          }
-          a[static_cast<std::size_t>(j)] = full * scale;
-          b[static_cast<std::size_t>(j)] = (j < old && j >= s0 ? part + bias : full) * scale;
-          ma = std::max(ma, a[static_cast<std::size_t>(j)]);
-          mb = std::max(mb, b[static_cast<std::size_t>(j)]);
-        }
-        kls.push_back(softmax_kl(a.data(), ma, b.data(), mb, n));
+    double bias = 0;
+    const std::int32_t s0 = std::min(g_sink, old);  // packed tokens: [s0, old)
+    if (compensate && old > s0) {
+      const double* sum = prefix_at(kps, t, l, old, h);
+      const double* sum0 = prefix_at(kps, t, l, s0, h);
+      for (std::int32_t d = 0; d < t.D; ++d)
+        if (!mask[d]) bias += static_cast<double>(q[d]) * (sum[d] - sum0[d]) / (old - s0);
+    }
+    for (std::int32_t j = 0; j < n; ++j) {
+      const float* k = t.krow(l, j, h);
+      double full = 0, part = 0;
+      for (std::int32_t d = 0; d < t.D; ++d) {
+        const double x = static_cast<double>(q[d]) * k[d];
+        full += x;
+        part += mask[d] ? x : 0.0;
       }
-  }
+      a[static_cast<std::size_t>(j)] = full * scale;
+      b[static_cast<std::size_t>(j)] = (j < old && j >= s0 ? part + bias : full) * scale;
+    }
+    kls.push_back(kvkit::kl_from_logits(a.data(), b.data(), n));
+  });
   return kls;
 }
 
@@ -542,50 +539,41 @@ std::vector<double> value_errors(const Trace& t, const std::vector<std::int32_t>
   std::vector<double> errs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
   std::vector<double> a, o(static_cast<std::size_t>(t.D)), e(static_cast<std::size_t>(t.D));
-  std::vector<char> mask(static_cast<std::size_t>(t.D));
-  for (std::size_t s : eval_steps(t)) {
-    const std::int32_t pos = t.qpos[s], n = pos + 1, old = std::max(0, n - W);
+  for_each_masked_head(t, sel, r, W, [&](std::int32_t n, std::int32_t old, std::int32_t l, std::int32_t h,
+                                         const float* q, const char* mask) {
     a.resize(static_cast<std::size_t>(n));
-    for (std::int32_t l = 0; l < t.L; ++l)
-      for (std::int32_t hq = 0; hq < t.H * t.G; ++hq) {
-        const std::int32_t h = hq / t.G;
-        std::fill(mask.begin(), mask.end(), 0);
-        const std::int32_t* vs = sel.data() + (static_cast<std::size_t>(l) * t.H + h) * r;
-        for (std::int32_t c = 0; c < r; ++c) mask[static_cast<std::size_t>(vs[c])] = 1;
-        const float* q = t.qrow(s, l, hq);
-        double ma = -1e300;
-        for (std::int32_t j = 0; j < n; ++j) {
-          const float* k = t.krow(l, j, h);
-          double x = 0;
-          for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
-          a[static_cast<std::size_t>(j)] = x * scale;
-          ma = std::max(ma, x * scale);
-        }
-        double z = 0;
-        for (std::int32_t j = 0; j < n; ++j) z += std::exp(a[static_cast<std::size_t>(j)] - ma);
-        std::fill(o.begin(), o.end(), 0.0);
-        std::fill(e.begin(), e.end(), 0.0);
-        double p_old = 0;
-        for (std::int32_t j = 0; j < n; ++j) {
-          const double pj = std::exp(a[static_cast<std::size_t>(j)] - ma) / z;
-          const float* v = t.vrow(l, j, h);
-          for (std::int32_t d = 0; d < t.D; ++d) {
-            o[static_cast<std::size_t>(d)] += pj * v[d];
-            if (j < old && !mask[static_cast<std::size_t>(d)]) e[static_cast<std::size_t>(d)] += pj * v[d];
-          }
-          if (j < old) p_old += pj;
-        }
-        double num = 0, den = 0;
-        const double* sum = old > 0 ? prefix_at(vps, t, l, old, h) : nullptr;
-        for (std::int32_t d = 0; d < t.D; ++d) {
-          double err = e[static_cast<std::size_t>(d)];  // o - o' on dropped dims
-          if (compensate && sum != nullptr && !mask[static_cast<std::size_t>(d)]) err -= p_old * sum[d] / old;
-          num += err * err;
-          den += o[static_cast<std::size_t>(d)] * o[static_cast<std::size_t>(d)];
-        }
-        errs.push_back(den > 0 ? std::sqrt(num / den) : 0.0);
+    double ma = -1e300;
+    for (std::int32_t j = 0; j < n; ++j) {
+      const float* k = t.krow(l, j, h);
+      double x = 0;
+      for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
+      a[static_cast<std::size_t>(j)] = x * scale;
+      ma = std::max(ma, x * scale);
+    }
+    double z = 0;
+    for (std::int32_t j = 0; j < n; ++j) z += std::exp(a[static_cast<std::size_t>(j)] - ma);
+    std::fill(o.begin(), o.end(), 0.0);
+    std::fill(e.begin(), e.end(), 0.0);
+    double p_old = 0;
+    for (std::int32_t j = 0; j < n; ++j) {
+      const double pj = std::exp(a[static_cast<std::size_t>(j)] - ma) / z;
+      const float* v = t.vrow(l, j, h);
+      for (std::int32_t d = 0; d < t.D; ++d) {
+        o[static_cast<std::size_t>(d)] += pj * v[d];
+        if (j < old && !mask[d]) e[static_cast<std::size_t>(d)] += pj * v[d];
       }
-  }
+      if (j < old) p_old += pj;
+    }
+    double num = 0, den = 0;
+    const double* sum = old > 0 ? prefix_at(vps, t, l, old, h) : nullptr;
+    for (std::int32_t d = 0; d < t.D; ++d) {
+      double err = e[static_cast<std::size_t>(d)];  // o - o' on dropped dims
+      if (compensate && sum != nullptr && !mask[d]) err -= p_old * sum[d] / old;
+      num += err * err;
+      den += o[static_cast<std::size_t>(d)] * o[static_cast<std::size_t>(d)];
+    }
+    errs.push_back(den > 0 ? std::sqrt(num / den) : 0.0);
+  });
   return errs;
 }
 
@@ -920,7 +908,6 @@ std::vector<double> basis_kls(const Trace& t, const Basis& bs, std::int32_t r, s
           const double* s2 = prefix_at(kps, t, l, s0, h);
           for (std::int32_t d = 0; d < D; ++d) mu[static_cast<std::size_t>(d)] = (s1[d] - s2[d]) / (old - s0);
         }
-        double ma = -1e300, mb = -1e300;
         for (std::int32_t j = 0; j < n; ++j) {
           const float* k = t.krow(l, j, h);
           double full = 0, err = 0;
@@ -929,10 +916,8 @@ std::vector<double> basis_kls(const Trace& t, const Basis& bs, std::int32_t r, s
             for (std::int32_t d = 0; d < D; ++d) err += qa[static_cast<std::size_t>(d)] * (k[d] - mu[static_cast<std::size_t>(d)]);
           a[static_cast<std::size_t>(j)] = full * scale;
           b[static_cast<std::size_t>(j)] = (full - err) * scale;
-          ma = std::max(ma, a[static_cast<std::size_t>(j)]);
-          mb = std::max(mb, b[static_cast<std::size_t>(j)]);
         }
-        kls.push_back(softmax_kl(a.data(), ma, b.data(), mb, n));
+        kls.push_back(kvkit::kl_from_logits(a.data(), b.data(), n));
       }
   }
   return kls;
