@@ -28,6 +28,11 @@
 // machine's load hardly moves (per-key CPU times are stable across loads). For load,
 // rb_server_cpu_ms_per_GB / rb_client_cpu_ms_per_GB: the same CPU per GB for redis-benchmark
 // -P 32's GET run (compare with server_cpu_ms_per_GB / client_cpu_ms_per_GB).
+// Without -r, redis-benchmark SETs and GETs one key, so its GET run serves one value from the
+// server's cache while this client loads 2048 distinct values (32 / 128 MiB) from its memory:
+// the server then spends more CPU per GB on this client. rb_keyspace_GB_s / vs_rb_keyspace /
+// rb_keyspace_server_cpu_ms_per_GB: redis-benchmark -P 32 -r <blocks>, random keys over as
+// many keys as this client moves (the same data-set size; its SET run stores them first).
 // Goals (issue 18): vs_redis_benchmark >= 1.0 for load; vs_one_per_key >= 6 at 16 KiB and
 // >= 3 at 64 KiB. Every load is checked byte for byte once.
 // Flags: --kvkit_small (64 blocks: a smoke run), --kvkit_no_redis_benchmark; environment:
@@ -120,9 +125,9 @@ struct RbResult {
   double get_server_s_per_GB = 0, get_client_s_per_GB = 0;
 };
 
-RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth) {
-  static std::map<std::tuple<std::size_t, bool, int>, RbResult> cache;
-  const auto id = std::make_tuple(size, unix_socket, depth);
+RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth, std::size_t keyspace = 0) {
+  static std::map<std::tuple<std::size_t, bool, int, std::size_t>, RbResult> cache;
+  const auto id = std::make_tuple(size, unix_socket, depth, keyspace);
   auto it = cache.find(id);
   if (it != cache.end()) return it->second;
   RbResult r;
@@ -134,6 +139,7 @@ RbResult redis_benchmark(std::size_t size, bool unix_socket, int depth) {
     for (const char* test : {"set", "get"}) {  // SET first: it stores the key GET reads
       const std::string cmd = "redis-benchmark " + where + " -P " + std::to_string(depth) +
                               " -c 1 -d " + std::to_string(size) + " -n " + std::to_string(n) +
+                              (keyspace > 0 ? " -r " + std::to_string(keyspace) : std::string()) +
                               " -t " + test + " --csv 2>/dev/null";
       const Sched s0 = schedstat(server().pid());
       rusage u0{}, u1{};
@@ -198,6 +204,7 @@ void bm_store(benchmark::State& state, bool load, std::size_t size, bool unix_so
   }
   const RbResult rb = redis_benchmark(size, unix_socket, 32);
   const RbResult rb1 = redis_benchmark(size, unix_socket, 1);
+  const RbResult rbk = redis_benchmark(size, unix_socket, 32, n);  // as many keys as blocks
   RbResult best;
   for (int depth : {32, 64, 256}) {
     const RbResult x = redis_benchmark(size, unix_socket, depth);
@@ -266,6 +273,12 @@ void bm_store(benchmark::State& state, bool load, std::size_t size, bool unix_so
     state.counters["rb_server_cpu_ms_per_GB"] = rb.get_server_s_per_GB * 1e3;
     state.counters["rb_client_cpu_ms_per_GB"] = rb.get_client_s_per_GB * 1e3;
   }
+  const double rpsk = load ? rbk.get_rps : rbk.set_rps;
+  if (rpsk > 0) {
+    state.counters["rb_keyspace_GB_s"] = rpsk * static_cast<double>(size) / 1e9;
+    state.counters["vs_rb_keyspace"] = (bytes / t_fast) / (rpsk * static_cast<double>(size));
+  }
+  if (load && rbk.get_server_s_per_GB > 0) state.counters["rb_keyspace_server_cpu_ms_per_GB"] = rbk.get_server_s_per_GB * 1e3;
   const double rps1 = load ? rb1.get_rps : rb1.set_rps, rps_best = load ? best.get_rps : best.set_rps;
   if (rps1 > 0) state.counters["rb_P1_GB_s"] = rps1 * static_cast<double>(size) / 1e9;
   if (rps_best > 0) {
