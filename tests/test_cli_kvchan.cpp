@@ -181,6 +181,20 @@ bool sanitized_build() {
 
 }  // namespace
 
+// SmolLM2 runs only in optimized, unsanitized builds (the sanitizer build of CI has only
+// stories260K, and a sanitized SmolLM2 run is too slow); true, with the reason, when skipped.
+static bool skip_smollm2() {
+  if (sanitized_build()) {
+    WARN("skipped: SmolLM2 is not run in the sanitizer build (too slow there; the Release build runs it)");
+    return true;
+  }
+  if (!std::filesystem::exists(kSmolPath)) {
+    WARN("skipped: no model file " << kSmolPath);
+    return true;
+  }
+  return false;
+}
+
 TEST_CASE("kvkit generate --policy kvchan: every score with and without key compensation (stories260K)",
           "[cli][kvchan]") {
   if (!std::filesystem::exists(kStoriesPath)) {
@@ -193,14 +207,7 @@ TEST_CASE("kvkit generate --policy kvchan: every score with and without key comp
 
 TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensation off and on",
           "[cli][kvchan][smollm2]") {
-  // The sanitizer build runs only stories260K (CI's has no other model).
-  if (sanitized_build() || !std::filesystem::exists(kSmolPath)) {
-    if (sanitized_build())
-      WARN("skipped: SmolLM2 is not run in the sanitizer build (too slow there; the Release build runs it)");
-    else
-      WARN("skipped: no model file " << kSmolPath);
-    return;
-  }
+  if (skip_smollm2()) return;
   const Config c{"--model '" + kSmolPath + "' --prompt 'Write merge sort in Python.' --max-tokens 20", kSmol, 8, 8,
                  32, 48, false};
   check_score(c, kScores[2], /*repeat=*/false);
@@ -208,13 +215,7 @@ TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensa
 
 TEST_CASE("kvkit generate --matvec float: SmolLM2 with every dim kept packs without changing the logits",
           "[cli][kvchan][smollm2]") {
-  if (sanitized_build() || !std::filesystem::exists(kSmolPath)) {
-    if (sanitized_build())
-      WARN("skipped: SmolLM2 is not run in the sanitizer build (too slow there; the Release build runs it)");
-    else
-      WARN("skipped: no model file " << kSmolPath);
-    return;
-  }
+  if (skip_smollm2()) return;
   // rK = rV = head_dim: packing moves every old token into the policy's pool and attention
   // merges two parts by LSE, so only rounding may differ from the full cache. With float
   // projections that rounding stays ~1e-12 nats. (With the default quantized projections the
