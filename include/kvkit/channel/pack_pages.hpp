@@ -111,6 +111,20 @@ inline Status check_pack_tables(const std::int32_t* k_channels,  // [heads, rk]
   return Status::ok();
 }
 
+// Calls f(src_pages[t / P], dst_pages[t / P], t % P) for every token t < n_tokens of the
+// page pairs, the pairs split over ex's threads (a pair's tokens stay on one thread).
+template <class F>
+void for_each_page_token(exec::Host ex,
+                         const std::int32_t* src_pages,  // [n_pages]
+                         const std::int32_t* dst_pages,  // [n_pages]
+                         std::int32_t n_pages, std::int32_t n_tokens, std::int32_t P, F&& f) {
+  kvkit::detail::parallel_for(ex, n_pages, [&](std::int64_t pb, std::int64_t pe, int) {
+    const std::int32_t t_end = static_cast<std::int32_t>(std::min<std::int64_t>(pe * P, n_tokens));
+    for (std::int32_t t = static_cast<std::int32_t>(pb * P); t < t_end; ++t)
+      f(src_pages[t / P], dst_pages[t / P], t % P);
+  });
+}
+
 }  // namespace detail
 
 /// Packs n_tokens tokens of full-width pages src_pages[i] of `full` into pages
@@ -131,20 +145,17 @@ Status pack_channel_pages(exec::Host ex, PagedKVView<T> full, PagedKVView<T> pac
   KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, full.head_dim,
                                                   full.v_head_dim, src_pages, dst_pages, n_pages,
                                                   full.num_pages_total, packed.num_pages_total));
-  kvkit::detail::parallel_for(ex, n_pages, [&](std::int64_t pb, std::int64_t pe, int) {
-    const std::int32_t t_end = static_cast<std::int32_t>(std::min<std::int64_t>(pe * P, n_tokens));
-    for (std::int32_t t = static_cast<std::int32_t>(pb * P); t < t_end; ++t) {
-      const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
-      for (std::int32_t h = 0; h < H; ++h) {
-        const T* fk = full.k_data + full.k_offset(src, s, h);
-        const T* fv = full.v_data + full.v_offset(src, s, h);
-        T* pk = packed.k_data + packed.k_offset(dst, s, h);
-        T* pv = packed.v_data + packed.v_offset(dst, s, h);
-        const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
-        const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
-        for (std::int32_t c = 0; c < rk; ++c) pk[c] = fk[kc[c]];
-        for (std::int32_t c = 0; c < rv; ++c) pv[c] = fv[vc[c]];
-      }
+  detail::for_each_page_token(ex, src_pages, dst_pages, n_pages, n_tokens, P,
+                              [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
+    for (std::int32_t h = 0; h < H; ++h) {
+      const T* fk = full.k_data + full.k_offset(src, s, h);
+      const T* fv = full.v_data + full.v_offset(src, s, h);
+      T* pk = packed.k_data + packed.k_offset(dst, s, h);
+      T* pv = packed.v_data + packed.v_offset(dst, s, h);
+      const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
+      const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
+      for (std::int32_t c = 0; c < rk; ++c) pk[c] = fk[kc[c]];
+      for (std::int32_t c = 0; c < rv; ++c) pv[c] = fv[vc[c]];
     }
   });
   return Status::ok();
@@ -170,24 +181,21 @@ Status unpack_channel_pages(exec::Host ex, PagedKVView<T> packed, PagedKVView<T>
   KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
                                                   dst_pages, n_pages, packed.num_pages_total,
                                                   full.num_pages_total));
-  kvkit::detail::parallel_for(ex, n_pages, [&](std::int64_t pb, std::int64_t pe, int) {
-    const std::int32_t t_end = static_cast<std::int32_t>(std::min<std::int64_t>(pe * P, n_tokens));
-    for (std::int32_t t = static_cast<std::int32_t>(pb * P); t < t_end; ++t) {
-      const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
-      for (std::int32_t h = 0; h < H; ++h) {
-        const T* pk = packed.k_data + packed.k_offset(src, s, h);
-        const T* pv = packed.v_data + packed.v_offset(src, s, h);
-        T* fk = full.k_data + full.k_offset(dst, s, h);
-        T* fv = full.v_data + full.v_offset(dst, s, h);
-        const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
-        const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
-        const float* kf = k_fill != nullptr ? k_fill + static_cast<std::int64_t>(h) * D : nullptr;
-        const float* vf = v_fill != nullptr ? v_fill + static_cast<std::int64_t>(h) * Dv : nullptr;
-        for (std::int32_t d = 0; d < D; ++d) fk[d] = from_float<T>(kf != nullptr ? kf[d] : 0.f);
-        for (std::int32_t d = 0; d < Dv; ++d) fv[d] = from_float<T>(vf != nullptr ? vf[d] : 0.f);
-        for (std::int32_t c = 0; c < rk; ++c) fk[kc[c]] = pk[c];
-        for (std::int32_t c = 0; c < rv; ++c) fv[vc[c]] = pv[c];
-      }
+  detail::for_each_page_token(ex, src_pages, dst_pages, n_pages, n_tokens, P,
+                              [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
+    for (std::int32_t h = 0; h < H; ++h) {
+      const T* pk = packed.k_data + packed.k_offset(src, s, h);
+      const T* pv = packed.v_data + packed.v_offset(src, s, h);
+      T* fk = full.k_data + full.k_offset(dst, s, h);
+      T* fv = full.v_data + full.v_offset(dst, s, h);
+      const std::int32_t* kc = k_channels + static_cast<std::int64_t>(h) * rk;
+      const std::int32_t* vc = v_channels + static_cast<std::int64_t>(h) * rv;
+      const float* kf = k_fill != nullptr ? k_fill + static_cast<std::int64_t>(h) * D : nullptr;
+      const float* vf = v_fill != nullptr ? v_fill + static_cast<std::int64_t>(h) * Dv : nullptr;
+      for (std::int32_t d = 0; d < D; ++d) fk[d] = from_float<T>(kf != nullptr ? kf[d] : 0.f);
+      for (std::int32_t d = 0; d < Dv; ++d) fv[d] = from_float<T>(vf != nullptr ? vf[d] : 0.f);
+      for (std::int32_t c = 0; c < rk; ++c) fk[kc[c]] = pk[c];
+      for (std::int32_t c = 0; c < rv; ++c) fv[vc[c]] = pv[c];
     }
   });
   return Status::ok();
