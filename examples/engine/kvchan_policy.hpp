@@ -419,12 +419,10 @@ class KvchanPolicy : public EnginePolicy {
   // (prefill, then one step: its last_logits are the baseline's next-token logits).
   static std::unique_ptr<Engine> baseline(Engine& eng, SeqId id) {
     const std::vector<std::int32_t> toks = eng.processed_tokens(id);
-    EngineOptions bo;
-    bo.page_size = eng.options().page_size;
-    bo.layout = eng.options().layout;
+    // The run's own options (page size, layout, threads, projections: the same arithmetic as
+    // the run it checks), sized for one sequence.
+    EngineOptions bo = eng.options();
     bo.max_batch = 1;
-    bo.threads = eng.options().threads;
-    bo.quantized_matvec = eng.options().quantized_matvec;  // the same arithmetic as the run it checks
     bo.num_pages = static_cast<std::int32_t>((toks.size() + static_cast<std::size_t>(bo.page_size)) / bo.page_size + 1);
     auto base = std::make_unique<Engine>(eng.model().checkpoint_ptr(), bo);
     const SeqId b = base->add_sequence(toks);
