@@ -645,13 +645,13 @@ TEMPLATE_TEST_CASE("cuda parity: paged_decode_attention", "[cuda][attention]", f
     cases.push_back({d, 2, 8, 16, {0, 37, 700}, d % 32 == 0 ? &kHndPadded : &kPacked, true});
   // A head_dim between the compiled tile sizes.
   cases.push_back({96, 2, 4, 16, {300, 5}, &kPacked, true});
-  // Many (sequence, head) pairs: one split, MHA (group 1).
+  // Many (sequence, head) pairs (560 > kTargetBlocks / 2): one split, MHA (group 1).
   {
     std::vector<std::int32_t> lens;
-    for (int b = 0; b < 40; ++b) lens.push_back(uniform_int(rng, 0, 300));
+    for (int b = 0; b < 70; ++b) lens.push_back(uniform_int(rng, 0, 300));
     cases.push_back({128, 8, 8, 16, lens, &kHndPadded, false});
   }
-  // Group 8 (MQA-like), 5000 tokens split 16 ways, odd page size.
+  // Group 8 (MQA-like), 5000 tokens in 64 splits of which 40 hold tokens, odd page size.
   cases.push_back({64, 1, 8, 7, {5000}, &kPacked, true});
   // Group 3 (no power of two), group 2, one-token pages.
   cases.push_back({64, 2, 6, 5, {3000, 1}, &kHndPadded, true});
@@ -659,7 +659,7 @@ TEMPLATE_TEST_CASE("cuda parity: paged_decode_attention", "[cuda][attention]", f
   // Unaligned rows: the scalar fallback kernel, with and without splitting.
   cases.push_back({32, 2, 4, 16, {900, 3}, &kUnaligned, true});
   cases.push_back({16, 4, 8, 4, [] {
-                     std::vector<std::int32_t> l(80, 33);
+                     std::vector<std::int32_t> l(140, 33);
                      l[5] = 0;
                      return l;
                    }(),
@@ -667,7 +667,7 @@ TEMPLATE_TEST_CASE("cuda parity: paged_decode_attention", "[cuda][attention]", f
   // V rows narrower / wider than K rows, V layout != K layout.
   cases.push_back({128, 2, 8, 16, {0, 400, 33}, &kNarrowV, true});
   cases.push_back({64, 2, 4, 8, {900, 17}, &kWideV, true});
-  cases.push_back({32, 8, 16, 4, std::vector<std::int32_t>(40, 50), &kWideV, false});
+  cases.push_back({32, 8, 16, 4, std::vector<std::int32_t>(70, 50), &kWideV, false});
   for (const DecodeCase& c : cases) run_decode_case<T>(c, rng, stream);
 }
 
@@ -686,7 +686,7 @@ TEMPLATE_TEST_CASE("cuda parity: paged_decode_attention variants", "[cuda][atten
   for (const Variants& v : {subset, kchan, vchan, scores, all}) {
     // Split-K (few pairs, long sequences) and one split (many pairs).
     cases.push_back({64, 2, 8, 16, {0, 37, 700}, &kPacked, true, v});
-    cases.push_back({32, 8, 16, 8, std::vector<std::int32_t>(40, 45), &kHndPadded, false, v});
+    cases.push_back({32, 8, 16, 8, std::vector<std::int32_t>(70, 45), &kHndPadded, false, v});
     // Packed kvchan shapes: K narrower than V, unaligned rows.
     cases.push_back({32, 2, 4, 16, {500, 9}, &kWideV, true, v});
     cases.push_back({16, 2, 4, 4, {130, 0, 7}, &kUnaligned, true, v});

@@ -36,11 +36,14 @@ inline constexpr int kAttnThreads = kAttnWarps * 32;
 /// Tokens each token group loads per step before computing (memory-level parallelism).
 inline constexpr int kUnroll = 2;
 /// Most chunks one sequence is split into.
-inline constexpr int kMaxSplits = 16;
-/// Blocks per launch the split heuristic aims for (about two per SM of an H100/H200).
-inline constexpr int kTargetBlocks = 264;
+inline constexpr int kMaxSplits = 64;
+/// Blocks per launch the split heuristic aims for: about eight per SM of an H100/H200
+/// (132 SMs; a block of 4 warps at ~127 registers fits 4 per SM, so two waves). Measured
+/// on an H100 (bench_cuda, bench/RESULTS.md "H100"): 264 blocks and at most 16 splits
+/// left B 1-8 at 0.12-0.21 of the d2d copy's rate, this gives 0.25-0.38 (f16).
+inline constexpr int kTargetBlocks = 1056;
 /// Shortest chunk worth its own block; shorter sequences use fewer splits.
-inline constexpr int kMinSplitTokens = 256;
+inline constexpr int kMinSplitTokens = 128;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
