@@ -5,10 +5,13 @@
 //
 // Kernels, one launch each, in stream order (the spec's steps, see r1kv.hpp):
 //   normalize   grid (S/256, Hkv): thread per slot: n_j = k_j / (|k_j| + 1e-8)
-//   importance  grid Hkv, one block per head: GQA-max logits, float32 softmax per query
-//               row, mean over rows, max-pool                           (steps 1-3)
-//   near        grid (S/256, Hkv): thread per row i: r(i), scanning j from S-1 down and
-//               stopping at the first cosine > threshold                (step 4)
+//   logits      grid (R*(S-w)*8/256, Hkv): an 8-lane group per (query row, slot): the
+//               GQA-max logit                                           (step 1)
+//   importance  grid Hkv, one block per head: float32 softmax per query row, mean over
+//               rows, max-pool                                          (steps 2-3)
+//   near        grid (S*8/256, Hkv): an 8-lane group per row i: r(i), scanning j from
+//               S-1 down and stopping at the first cosine > threshold   (step 4)
+// (The 8-lane groups compute the CPU's 8-lane dot product, one lane per partial sum.)
 //   colsum      grid Hkv: sum_i n_i per dim;  columns grid (S/256, Hkv): thread per
 //               column j: <sum_i n_i, n_j> - <n_j, n_j> - sum_{r(i)=j, i!=j} <n_i, n_j>
 //   score       grid Hkv: softmax of m / S over all S columns, Z = Scorer::score; a
@@ -49,6 +52,34 @@ KVKIT_DEVICE float r1kv_dot8(const A* a,  // [D]
   float r = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
   for (; d < dim; ++d) r = fmaf(load_float(a[d]), load_float(b[d]), r);
   return r;
+}
+
+/// r1kv_dot8 computed by an aligned group of 8 lanes: lane l of the group accumulates
+/// r1kv_dot8's s[l] (dims l, l + 8, ... in order), the pair sums are taken in r1kv_dot8's
+/// order by xor shuffles (exact: float addition commutes) and every lane adds the tail,
+/// so every lane of the group returns r1kv_dot8's bits. The group's lanes read 8
+/// consecutive elements per step (32 bytes of a float row) where one thread per row made
+/// a warp touch 32 scattered rows per load. `mask`: the group's 8 lanes.
+template <class A, class B>
+KVKIT_DEVICE float r1kv_dot8_group(const A* a,  // [D]
+                                   const B* b,  // [D]
+                                   std::int32_t dim, int sub, unsigned mask) {
+  const std::int32_t body = dim - dim % 8;
+  float r = 0.f;
+  for (std::int32_t d = sub; d < body; d += 8) r = fmaf(load_float(a[d]), load_float(b[d]), r);
+  r += __shfl_xor_sync(mask, r, 4);  // s[l] + s[l + 4]
+  r += __shfl_xor_sync(mask, r, 2);  // (s0 + s4) + (s2 + s6) | (s1 + s5) + (s3 + s7)
+  r += __shfl_xor_sync(mask, r, 1);
+  for (std::int32_t d = body; d < dim; ++d) r = fmaf(load_float(a[d]), load_float(b[d]), r);
+  return r;
+}
+
+/// Lanes per row of the group kernels (r1kv_dot8_group).
+inline constexpr int kR1kvGroup = 8;
+
+/// The lanes of the calling thread's aligned 8-lane group, for the shuffles.
+KVKIT_DEVICE unsigned r1kv_group_mask() {
+  return 0xffu << (threadIdx.x % 32 / kR1kvGroup * kR1kvGroup);
 }
 
 /// <a, b> in double with the CPU dot_double's four lanes.
@@ -124,13 +155,39 @@ __global__ void r1kv_normalize_kernel(const T* __restrict__ keys,  // [Hkv, S, D
     normed[row + e] = static_cast<float>(static_cast<double>(load_float(keys[row + e])) * inv);
 }
 
-// Steps 1-3 for head blockIdx.x: imp[h, j] for j < n_cand. One block per head.
+// Step 1: logits[h, r, j] = max over the GQA group of q . k / sqrt(D), j < n_cand, one
+// 8-lane group per (r, j) (grid: y = head).
 template <class T>
+__global__ void r1kv_logits_kernel(const T* __restrict__ keys,     // [Hkv, S, D]
+                                   const T* __restrict__ queries,  // [Hq, Lq, D]
+                                   std::int32_t s, std::int32_t dim, std::int32_t groups,
+                                   std::int32_t q_len, std::int32_t rows, std::int32_t n_cand,
+                                   float* __restrict__ logits,  // [Hkv, R, S]
+                                   const DeviceStatus* st) {
+  if (failed(st)) return;
+  const std::int32_t h = blockIdx.y;
+  const std::int64_t idx =
+      (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kR1kvGroup;
+  if (idx >= static_cast<std::int64_t>(rows) * n_cand) return;  // whole groups
+  const int sub = static_cast<int>(threadIdx.x % kR1kvGroup);
+  const unsigned mask = r1kv_group_mask();
+  const std::int32_t r = static_cast<std::int32_t>(idx / n_cand);
+  const std::int32_t j = static_cast<std::int32_t>(idx % n_cand);
+  const T* k = keys + (static_cast<std::int64_t>(h) * s + j) * dim;
+  float best = -INFINITY;
+  for (std::int32_t g = 0; g < groups; ++g) {
+    const T* q = queries + ((static_cast<std::int64_t>(h) * groups + g) * q_len +
+                            (q_len - rows + r)) * dim;
+    best = fmaxf(best, r1kv_dot8_group(q, k, dim, sub, mask));  // GQA max over raw logits
+  }
+  // Row r of head h starts at h * rows * s + r * n_cand (the importance kernel's layout).
+  if (sub == 0) logits[static_cast<std::int64_t>(h) * rows * s + idx] = best / sqrtf(static_cast<float>(dim));
+}
+
+// Steps 2-3 for head blockIdx.x: imp[h, j] for j < n_cand from the logits. One block per
+// head.
 __global__ void __launch_bounds__(kR1kvThreads)
-    r1kv_importance_kernel(const T* __restrict__ keys,     // [Hkv, S, D]
-                           const T* __restrict__ queries,  // [Hq, Lq, D]
-                           std::int32_t s, std::int32_t dim, std::int32_t groups,
-                           std::int32_t q_len, std::int32_t rows, std::int32_t n_cand,
+    r1kv_importance_kernel(std::int32_t s, std::int32_t rows, std::int32_t n_cand,
                            std::int32_t kernel,
                            float* __restrict__ logits,  // [Hkv, R, S]
                            double* __restrict__ attn,   // [Hkv, S]
@@ -143,20 +200,6 @@ __global__ void __launch_bounds__(kR1kvThreads)
   const int tid = threadIdx.x;
   float* lg = logits + static_cast<std::int64_t>(h) * rows * s;  // row r at lg + r * n_cand
   double* a = attn + static_cast<std::int64_t>(h) * s;
-  const float sd = sqrtf(static_cast<float>(dim));
-  const std::int64_t total = static_cast<std::int64_t>(rows) * n_cand;
-  for (std::int64_t idx = tid; idx < total; idx += blockDim.x) {
-    const std::int32_t r = static_cast<std::int32_t>(idx / n_cand);
-    const std::int32_t j = static_cast<std::int32_t>(idx % n_cand);
-    const T* k = keys + (static_cast<std::int64_t>(h) * s + j) * dim;
-    float best = -INFINITY;
-    for (std::int32_t g = 0; g < groups; ++g) {
-      const T* q = queries + ((static_cast<std::int64_t>(h) * groups + g) * q_len +
-                              (q_len - rows + r)) * dim;
-      best = fmaxf(best, r1kv_dot8(q, k, dim));  // GQA max over raw logits
-    }
-    lg[idx] = best / sd;
-  }
   __syncthreads();
   for (std::int32_t r = 0; r < rows; ++r) {
     float* l = lg + static_cast<std::int64_t>(r) * n_cand;
@@ -190,25 +233,30 @@ __global__ void __launch_bounds__(kR1kvThreads)
 }
 
 // r(i) for every row i of head blockIdx.y: the largest j != i with cosine > thr, else 0.
+// One 8-lane group per row (r1kv_dot8_group; one thread per row ran 174 ms at S 4224,
+// Hkv 8 on an H100, most of the select).
 __global__ void r1kv_near_kernel(const float* __restrict__ normed,  // [Hkv, S, D]
                                  std::int32_t s, std::int32_t dim, float thr,
                                  std::int32_t* __restrict__ near,   // [Hkv, S]
                                  const DeviceStatus* st) {
   if (failed(st)) return;
   const std::int32_t h = blockIdx.y;
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= s) return;
+  const std::int64_t i =
+      (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kR1kvGroup;
+  if (i >= s) return;  // whole groups
+  const int sub = static_cast<int>(threadIdx.x % kR1kvGroup);
+  const unsigned mask = r1kv_group_mask();
   const float* base = normed + static_cast<std::int64_t>(h) * s * dim;
   const float* ni = base + i * dim;
   std::int32_t r = 0;
-  for (std::int32_t j = s - 1; j >= 0; --j) {
+  for (std::int32_t j = s - 1; j >= 0; --j) {  // the group's lanes take the same branches
     if (j == i) continue;
-    if (r1kv_dot8(ni, base + static_cast<std::int64_t>(j) * dim, dim) > thr) {
+    if (r1kv_dot8_group(ni, base + static_cast<std::int64_t>(j) * dim, dim, sub, mask) > thr) {
       r = j;
       break;
     }
   }
-  near[static_cast<std::int64_t>(h) * s + i] = r;
+  if (sub == 0) near[static_cast<std::int64_t>(h) * s + i] = r;
 }
 
 // nsum[h, d] = sum_i n[h, i, d] in double, rows in order (one block per head).
@@ -447,14 +495,20 @@ Status Compressor<Scorer>::select(exec::Cuda ex, const T* keys,  // [Hkv, S, D] 
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
   }
   if (Scorer::kUsesAttention) {
-    cd::r1kv_importance_kernel<T><<<heads, kT, 0, stream>>>(
-        keys, queries, s, dim, groups, sh.num_queries, rows, n_cand, p.kernel, logits, attn, imp,
-        ex.status);
+    const dim3 pairs(
+        cd::r1kv_blocks(static_cast<std::int64_t>(rows) * n_cand * cd::kR1kvGroup), heads);
+    cd::r1kv_logits_kernel<T><<<pairs, kT, 0, stream>>>(keys, queries, s, dim, groups,
+                                                        sh.num_queries, rows, n_cand, logits,
+                                                        ex.status);
+    KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
+    cd::r1kv_importance_kernel<<<heads, kT, 0, stream>>>(s, rows, n_cand, p.kernel, logits, attn,
+                                                         imp, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
   }
   if (Scorer::kUsesRedundancy) {
-    cd::r1kv_near_kernel<<<slots, kT, 0, stream>>>(normed, s, dim, p.similarity_threshold, near,
-                                                   ex.status);
+    const dim3 row_groups(cd::r1kv_blocks(static_cast<std::int64_t>(s) * cd::kR1kvGroup), heads);
+    cd::r1kv_near_kernel<<<row_groups, kT, 0, stream>>>(normed, s, dim, p.similarity_threshold,
+                                                        near, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     cd::r1kv_colsum_kernel<<<heads, kT, 0, stream>>>(normed, s, dim, nsum, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));

@@ -1,6 +1,9 @@
 #pragma once
 // Host stand-ins for the pieces of common.cuh that kernels/cuda/r1kv.cuh uses (see run.sh).
 #include <barrier>
+#include <bit>
+#include <map>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -17,6 +20,31 @@ using cudaStream_t = void*;
 inline thread_local dim3 blockIdx, threadIdx, blockDim, gridDim;
 inline std::barrier<>* g_bar = nullptr;
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
+// __shfl_xor_sync among the lanes of `mask` (a warp's aligned lane group): each group of
+// one block meets at its own barrier, writes its value, reads its partner's, and meets
+// again before the slots are reused.
+struct ShflGroup {
+  std::barrier<> bar;
+  float v[32] = {};
+  explicit ShflGroup(int n) : bar(n) {}
+};
+inline std::mutex g_shfl_mu;
+inline std::map<std::pair<unsigned, unsigned>, std::unique_ptr<ShflGroup>>* g_shfl = nullptr;
+inline float __shfl_xor_sync(unsigned mask, float v, int off) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ShflGroup* g;
+  {
+    std::lock_guard<std::mutex> l(g_shfl_mu);
+    auto& slot = (*g_shfl)[{warp, mask}];
+    if (!slot) slot = std::make_unique<ShflGroup>(std::popcount(mask));
+    g = slot.get();
+  }
+  g->v[lane] = v;
+  g->bar.arrive_and_wait();
+  const float o = g->v[lane ^ static_cast<unsigned>(off)];
+  g->bar.arrive_and_wait();
+  return o;
+}
 #define __global__
 #define __device__
 #define __shared__ static
@@ -30,6 +58,8 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& body) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
       std::barrier<> bar(threads);
       g_bar = &bar;
+      std::map<std::pair<unsigned, unsigned>, std::unique_ptr<ShflGroup>> shfl;
+      g_shfl = &shfl;
       std::vector<std::thread> ts;
       for (int t = 0; t < threads; ++t)
         ts.emplace_back([&, t] {
