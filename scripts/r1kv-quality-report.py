@@ -303,6 +303,11 @@ def summarize(results):
     return rows
 
 
+def kl_str(x):
+    """A KL for the table: 4 decimals, or 2 significant digits below 1e-3 (float runs get there)."""
+    return "%.4f" % x if x == 0 or x >= 1e-3 else "%.1e" % x
+
+
 def table(rows):
     lines = ["| workload | budget | policy | prompt (tokens) | compared steps (after 1st compression) | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | top-1 after 1st compression | mean KL after | max KL | fact in greedy answer |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -331,11 +336,11 @@ def table(rows):
                                             len(x["skipped"]) if x["skipped"] else "")
         elif x["workload"] == "smollm2":
             name += " (%d)" % x["prompt_tokens"]
-        post = ("%.4f" % x["post_top1_agreement"], "%.4f" % x["post_mean_kl"]) if "post_top1_agreement" in x else ("-", "-")
-        lines.append("| %s | %d | %s | %s | %d (%d) | %d | %.1f %% | %.4f | %.4f | %s | %s | %.3f | %s |" % (
+        post = ("%.4f" % x["post_top1_agreement"], kl_str(x["post_mean_kl"])) if "post_top1_agreement" in x else ("-", "-")
+        lines.append("| %s | %d | %s | %s | %d (%d) | %d | %.1f %% | %.4f | %s | %s | %s | %s | %s |" % (
             x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"], x["post_steps"],
-            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], post[0], post[1],
-            x["max_kl"], fact))
+            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], kl_str(x["mean_kl"]), post[0], post[1],
+            "%.3f" % x["max_kl"] if x["max_kl"] >= 1e-3 else "%.1e" % x["max_kl"], fact))
     return "\n".join(lines)
 
 
