@@ -22,12 +22,15 @@ vs top-1 agreement and mean KL) and an SVG plot:
               511 steps (its seq_len is 512), budgets 32/64/128, buffer 32.
 
 KV bytes saved = 1 - kv_bytes_final / full_kv_bytes_final (pages held at the end of the
-run, policy engine vs full-cache engine). A run whose cache never reaches budget + buffer
+run, policy engine vs full-cache engine). Every run gets --matvec (default float: the GGUF
+projections in float32, so the numbers are the policy's own error, not int8 activation
+rounding amplified by a changed summation order). A run whose cache never reaches budget + buffer
 is the full cache exactly and is reported as such. Every sweep is cached under --cache (one
-JSON per command line), so an interrupted report resumes where it stopped.
+JSON per command line, --matvec included, so quantized and float results never mix), so an
+interrupted report resumes where it stopped.
 
   /work/kvkit-venv/bin/python scripts/r1kv-quality-report.py --kvkit build/examples/kvkit \\
-      [--smol-prompts doc-1,code-sudoku:256] [--smol-max-tokens 1024] [--jobs 2]
+      [--smol-prompts doc-1,code-sudoku:256] [--smol-max-tokens 1024] [--matvec float] [--jobs 2]
 
 Needs matplotlib (scripts/setup-venv.sh installs it) for the plot; the table is written
 without it.
@@ -71,6 +74,11 @@ def parse_args():
                          "(default: the answer's --smol-max-tokens; -1: no free runs)")
     ap.add_argument("--stories-steps", type=int, default=500)
     ap.add_argument("--synthetic-steps", type=int, default=511)
+    ap.add_argument("--matvec", choices=["quantized", "float"], default="float",
+                    help="--matvec of each CLI run: float (default) measures the policies' own error; "
+                         "quantized (int8 activations, the CLI's default) adds a rounding noise floor "
+                         "once a policy changes the summation order (README, --matvec float). GGUF only: "
+                         "stories260K and synthetic are float either way")
     ap.add_argument("--threads", type=int, default=1, help="--threads of each CLI run")
     ap.add_argument("--jobs", type=int, default=2, help="CLI runs at once")
     ap.add_argument("--cache", default="/tmp/kvkit-r1kv-quality", help="cached CLI results")
@@ -89,7 +97,8 @@ class Runner:
         os.makedirs(cache, exist_ok=True)
 
     def run(self, args):
-        key = hashlib.sha1(json.dumps(args).encode()).hexdigest()[:20]
+        mode = args[args.index("--matvec") + 1] if "--matvec" in args else "quantized"
+        key = mode + "-" + hashlib.sha1(json.dumps(args).encode()).hexdigest()[:20]
         path = os.path.join(self.cache, key + ".json")
         if os.path.exists(path):
             with open(path) as f:
@@ -103,6 +112,8 @@ class Runner:
         if p.returncode != 0:
             raise RuntimeError("failed (exit %d): %s\n%s" % (p.returncode, shlex.join(cmd), p.stderr[-2000:]))
         d = json.loads(p.stdout)
+        if d.get("matvec", mode) != mode:
+            raise RuntimeError("asked --matvec %s, the CLI ran %s: %s" % (mode, d.get("matvec"), shlex.join(cmd)))
         d["_command"] = shlex.join(["kvkit"] + args)
         d["_wall_s"] = wall
         with open(path, "w") as f:
@@ -150,7 +161,7 @@ def plan(a):
     gguf = os.path.join(a.models, "SmolLM2-135M-Instruct.Q4_1.gguf")
     work = a.workloads.split(",")
     pols = ["--policies", ",".join(POLICIES)]
-    common = ["--threads", str(a.threads), "--json"]
+    common = ["--matvec", a.matvec, "--threads", str(a.threads), "--json"]
     if "synthetic" in work:
         sweeps.append(dict(workload="synthetic", prompt="BOS", budgets=[32, 64, 128], facts=[],
                            args=["sweep", "--prompt", "1", "--steps", str(a.synthetic_steps)] + pols +
@@ -292,6 +303,11 @@ def summarize(results):
     return rows
 
 
+def kl_str(x):
+    """A KL for the table: 4 decimals, or 2 significant digits below 1e-3 (float runs get there)."""
+    return "%.4f" % x if x == 0 or x >= 1e-3 else "%.1e" % x
+
+
 def table(rows):
     lines = ["| workload | budget | policy | prompt (tokens) | compared steps (after 1st compression) | compressions | KV bytes saved | top-1 agreement | mean KL (nats) | top-1 after 1st compression | mean KL after | max KL | fact in greedy answer |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -320,11 +336,11 @@ def table(rows):
                                             len(x["skipped"]) if x["skipped"] else "")
         elif x["workload"] == "smollm2":
             name += " (%d)" % x["prompt_tokens"]
-        post = ("%.4f" % x["post_top1_agreement"], "%.4f" % x["post_mean_kl"]) if "post_top1_agreement" in x else ("-", "-")
-        lines.append("| %s | %d | %s | %s | %d (%d) | %d | %.1f %% | %.4f | %.4f | %s | %s | %.3f | %s |" % (
+        post = ("%.4f" % x["post_top1_agreement"], kl_str(x["post_mean_kl"])) if "post_top1_agreement" in x else ("-", "-")
+        lines.append("| %s | %d | %s | %s | %d (%d) | %d | %.1f %% | %.4f | %s | %s | %s | %s | %s |" % (
             x["workload"], x["budget"], LABELS[x["policy"]], name, x["steps"], x["post_steps"],
-            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], x["mean_kl"], post[0], post[1],
-            x["max_kl"], fact))
+            x["compressions"], 100 * x["kv_saved"], x["top1_agreement"], kl_str(x["mean_kl"]), post[0], post[1],
+            "%.3f" % x["max_kl"] if x["max_kl"] >= 1e-3 else "%.1e" % x["max_kl"], fact))
     return "\n".join(lines)
 
 
@@ -393,7 +409,8 @@ def main():
                      if r["workload"] == "smollm2" and r["prompt"] in kinds])
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"aggregate": agg, "rows": rows,
+        json.dump({"matvec": a.matvec, "command": "scripts/r1kv-quality-report.py " + shlex.join(sys.argv[1:]),
+                   "aggregate": agg, "rows": rows,
                    "runs": [{k: v for k, v in r.items() if k != "result"} |
                             ({"result": {k: v for k, v in r["result"].items()
                                          if k not in ("tokens", "prompt_tokens", "sequences", "free")}}
@@ -421,9 +438,13 @@ def main():
     md += ["SmolLM2: answers ending at <|im_end|> (the full cache's greedy answer, teacher-forced), buffer "
            "%d; the fact column is the policy's own greedy answer (no teacher forcing) containing the "
            "expected string(s) of suite.json's answer_contains. Answer / free-run tokens at most: %s. "
-           "stories260K: %d steps, buffer 32. synthetic: %d steps, buffer 32." % (
+           "stories260K: %d steps, buffer 32. synthetic: %d steps, buffer 32. Projections: `--matvec %s`%s." % (
                a.smol_buffer, "; ".join("%s / %s (%s)" % (k[0], k[1], ", ".join(v)) for k, v in caps.items()),
-               a.stories_steps, a.synthetic_steps), ""]
+               a.stories_steps, a.synthetic_steps, a.matvec,
+               " (GGUF weights dequantized to float32 at load: no activation rounding, so KL and "
+               "top-1 are the policy's own error)" if a.matvec == "float" else
+               " (int8 activations: a rounding noise floor adds to every policy's KL once it changes "
+               "the summation order)"), ""]
     if agg:
         md += ["## SmolLM2 over the prompts of each kind", "", table(agg), ""]
     md += ["## Every prompt", "", table(rows), ""]
