@@ -37,29 +37,14 @@ namespace cuda_detail {
 
 inline constexpr int kR1kvThreads = 256;
 
-/// <a, b> in float with the CPU dot4's arithmetic: eight lanes over the first D - D % 8
-/// dims, reduced ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), then the tail in order.
-template <class A, class B>
-KVKIT_DEVICE float r1kv_dot8(const A* a,  // [D]
-                             const B* b,  // [D]
-                             std::int32_t dim) {
-  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  std::int32_t d = 0;
-  for (; d + 8 <= dim; d += 8) {
-#pragma unroll
-    for (int l = 0; l < 8; ++l) s[l] = fmaf(load_float(a[d + l]), load_float(b[d + l]), s[l]);
-  }
-  float r = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-  for (; d < dim; ++d) r = fmaf(load_float(a[d]), load_float(b[d]), r);
-  return r;
-}
-
-/// r1kv_dot8 computed by an aligned group of 8 lanes: lane l of the group accumulates
-/// r1kv_dot8's s[l] (dims l, l + 8, ... in order), the pair sums are taken in r1kv_dot8's
-/// order by xor shuffles (exact: float addition commutes) and every lane adds the tail,
-/// so every lane of the group returns r1kv_dot8's bits. The group's lanes read 8
-/// consecutive elements per step (32 bytes of a float row) where one thread per row made
-/// a warp touch 32 scattered rows per load. `mask`: the group's 8 lanes.
+/// <a, b> in float with the CPU dot4's arithmetic, computed by an aligned group of 8
+/// lanes. The CPU keeps eight partial sums over the first D - D % 8 dims (sum l takes dims
+/// l, l + 8, ... in order), reduces them ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)) and adds
+/// the tail in order. Here lane l of the group accumulates s[l], the pair sums are taken
+/// in that order by xor shuffles (exact: float addition commutes) and every lane adds the
+/// tail, so every lane returns the CPU's bits. The group's lanes read 8 consecutive
+/// elements per step (32 bytes of a float row), where one thread per row made a warp
+/// touch 32 scattered rows per load. `mask`: the group's 8 lanes.
 template <class A, class B>
 KVKIT_DEVICE float r1kv_dot8_group(const A* a,  // [D]
                                    const B* b,  // [D]
