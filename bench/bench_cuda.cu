@@ -112,6 +112,25 @@ double time_reps(Ctx& c, int reps, F&& f) {
   return 1e-3 * ms / reps;
 }
 
+/// Google Benchmark's loop over time_reps(c, reps, f): each iteration's device time is its
+/// manual time; `before` runs untimed ahead of each (e.g. restoring inputs). Returns the
+/// summed seconds per call over all iterations.
+template <class F, class Before>
+double timed_loop(benchmark::State& st, Ctx& c, int reps, F&& f, Before&& before) {
+  double total = 0;
+  for (auto _ : st) {
+    before();
+    const double t = time_reps(c, reps, f);
+    st.SetIterationTime(t);
+    total += t;
+  }
+  return total;
+}
+template <class F>
+double timed_loop(benchmark::State& st, Ctx& c, int reps, F&& f) {
+  return timed_loop(st, c, reps, f, [] {});
+}
+
 /// Rate counters from the summed event times (not Google Benchmark's own rates, whose
 /// clock under manual time differs between versions): GB_s and vs_d2d, the fraction of
 /// the d2d copy's rate.
@@ -165,14 +184,9 @@ void bm_d2d(benchmark::State& st, std::size_t mib) {
   Ctx c;
   Dev<unsigned char> src(bytes), dst(bytes);
   BENCH_CUDA_OK(st, cudaMemset(src.p, 0x5a, bytes));
-  double total = 0;
-  for (auto _ : st) {
-    const double t = time_reps(c, 10, [&] {
-      (void)cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice, c.s);
-    });
-    st.SetIterationTime(t);
-    total += t;
-  }
+  const double total = timed_loop(st, c, 10, [&] {
+    (void)cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice, c.s);
+  });
   set_rate(st, 2.0 * static_cast<double>(bytes), total);
 }
 
@@ -265,14 +279,9 @@ void bm_attention(benchmark::State& st, std::int32_t hq, std::int32_t hkv, std::
     const double tol = std::is_same<T, float>::value ? 1e-4 : 2e-2;
     if (!(err <= tol)) return fail(st, "attention differs from the CPU twin: " + std::to_string(err));
   }
-  double total = 0;
-  for (auto _ : st) {
-    const double t = time_reps(c, 20, [&] {
-      (void)paged_decode_attention(c.ex(), pool.dev_view, dq.p, dout.p, p, w, dlse.p);
-    });
-    st.SetIterationTime(t);
-    total += t;
-  }
+  const double total = timed_loop(st, c, 20, [&] {
+    (void)paged_decode_attention(c.ex(), pool.dev_view, dq.p, dout.p, p, w, dlse.p);
+  });
   BENCH_CUDA_OK(st, cudaGetLastError());
   BENCH_OK(st, read_device_status(c.status));
   st.counters["kv_MB"] = pool.kv_bytes() / 1e6;
@@ -334,16 +343,12 @@ void bm_compact(benchmark::State& st, std::int32_t batch, std::int32_t len, std:
             return fail(st, "compact_tokens differs from the CPU twin");
         }
   }
-  double total = 0;
-  for (auto _ : st) {
-    restore();
-    (void)cudaStreamSynchronize(c.s);
-    const double t = time_reps(c, 1, [&] {
-      (void)compact_tokens(c.ex(), pool.dev_view, dkeep.p, dnk.p, n_keep, w);
-    });
-    st.SetIterationTime(t);
-    total += t;
-  }
+  const double total = timed_loop(
+      st, c, 1, [&] { (void)compact_tokens(c.ex(), pool.dev_view, dkeep.p, dnk.p, n_keep, w); },
+      [&] {
+        restore();
+        (void)cudaStreamSynchronize(c.s);
+      });
   BENCH_CUDA_OK(st, cudaGetLastError());
   BENCH_OK(st, read_device_status(c.status));
   // Kept rows read and written (the moved ones at most; the counted floor).
@@ -395,18 +400,12 @@ void bm_r1kv(benchmark::State& st, std::int32_t budget) {
     std::set_symmetric_difference(a, a + budget, b, b + budget, std::back_inserter(diff));
     differ += static_cast<std::int64_t>(diff.size()) / 2;
   }
-  double dev_s = 0;
-  std::int64_t n = 0;
-  for (auto _ : st) {
-    const double t = time_reps(c, 10, [&] { (void)run(); });
-    st.SetIterationTime(t);
-    dev_s += t;
-    ++n;
-  }
+  const double dev_s = timed_loop(st, c, 10, [&] { (void)run(); });
   BENCH_CUDA_OK(st, cudaGetLastError());
   BENCH_OK(st, read_device_status(c.status));
   st.counters["host_ms"] = host_s * 1e3;
-  st.counters["vs_host"] = host_s / (dev_s / std::max<std::int64_t>(n, 1));
+  st.counters["vs_host"] =
+      host_s / (dev_s / static_cast<double>(std::max<benchmark::IterationCount>(st.iterations(), 1)));
   // Near-ties may swap a slot (float32 scores on both sides, different summation order).
   st.counters["slots_differ"] = static_cast<double>(differ);
 }
