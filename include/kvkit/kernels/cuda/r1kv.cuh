@@ -62,9 +62,18 @@ KVKIT_DEVICE float r1kv_dot8_group(const A* a,  // [D]
 /// Lanes per row of the group kernels (r1kv_dot8_group).
 inline constexpr int kR1kvGroup = 8;
 
-/// The lanes of the calling thread's aligned 8-lane group, for the shuffles.
-KVKIT_DEVICE unsigned r1kv_group_mask() {
-  return 0xffu << (threadIdx.x % 32 / kR1kvGroup * kR1kvGroup);
+/// The calling thread's aligned 8-lane group in a 1-D grid over groups: the group's index
+/// (the item it computes), the thread's lane in it (r1kv_dot8_group's `sub`) and the
+/// group's lanes (the shuffles' `mask`).
+struct R1kvLaneGroup {
+  std::int64_t index;
+  int sub;
+  unsigned mask;
+};
+KVKIT_DEVICE R1kvLaneGroup r1kv_lane_group() {
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  return {t / kR1kvGroup, static_cast<int>(threadIdx.x % kR1kvGroup),
+          0xffu << (threadIdx.x % 32 / kR1kvGroup * kR1kvGroup)};
 }
 
 /// <a, b> in double with the CPU dot_double's four lanes.
@@ -151,11 +160,9 @@ __global__ void r1kv_logits_kernel(const T* __restrict__ keys,     // [Hkv, S, D
                                    const DeviceStatus* st) {
   if (failed(st)) return;
   const std::int32_t h = blockIdx.y;
-  const std::int64_t idx =
-      (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kR1kvGroup;
+  const R1kvLaneGroup grp = r1kv_lane_group();
+  const std::int64_t idx = grp.index;
   if (idx >= static_cast<std::int64_t>(rows) * n_cand) return;  // whole groups
-  const int sub = static_cast<int>(threadIdx.x % kR1kvGroup);
-  const unsigned mask = r1kv_group_mask();
   const std::int32_t r = static_cast<std::int32_t>(idx / n_cand);
   const std::int32_t j = static_cast<std::int32_t>(idx % n_cand);
   const T* k = keys + (static_cast<std::int64_t>(h) * s + j) * dim;
@@ -163,10 +170,11 @@ __global__ void r1kv_logits_kernel(const T* __restrict__ keys,     // [Hkv, S, D
   for (std::int32_t g = 0; g < groups; ++g) {
     const T* q = queries + ((static_cast<std::int64_t>(h) * groups + g) * q_len +
                             (q_len - rows + r)) * dim;
-    best = fmaxf(best, r1kv_dot8_group(q, k, dim, sub, mask));  // GQA max over raw logits
+    best = fmaxf(best, r1kv_dot8_group(q, k, dim, grp.sub, grp.mask));  // GQA max over raw logits
   }
   // Row r of head h starts at h * rows * s + r * n_cand (the importance kernel's layout).
-  if (sub == 0) logits[static_cast<std::int64_t>(h) * rows * s + idx] = best / sqrtf(static_cast<float>(dim));
+  if (grp.sub == 0)
+    logits[static_cast<std::int64_t>(h) * rows * s + idx] = best / sqrtf(static_cast<float>(dim));
 }
 
 // Steps 2-3 for head blockIdx.x: imp[h, j] for j < n_cand from the logits. One block per
@@ -226,22 +234,21 @@ __global__ void r1kv_near_kernel(const float* __restrict__ normed,  // [Hkv, S, 
                                  const DeviceStatus* st) {
   if (failed(st)) return;
   const std::int32_t h = blockIdx.y;
-  const std::int64_t i =
-      (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kR1kvGroup;
+  const R1kvLaneGroup grp = r1kv_lane_group();
+  const std::int64_t i = grp.index;
   if (i >= s) return;  // whole groups
-  const int sub = static_cast<int>(threadIdx.x % kR1kvGroup);
-  const unsigned mask = r1kv_group_mask();
   const float* base = normed + static_cast<std::int64_t>(h) * s * dim;
   const float* ni = base + i * dim;
   std::int32_t r = 0;
   for (std::int32_t j = s - 1; j >= 0; --j) {  // the group's lanes take the same branches
     if (j == i) continue;
-    if (r1kv_dot8_group(ni, base + static_cast<std::int64_t>(j) * dim, dim, sub, mask) > thr) {
+    const float* nj = base + static_cast<std::int64_t>(j) * dim;
+    if (r1kv_dot8_group(ni, nj, dim, grp.sub, grp.mask) > thr) {
       r = j;
       break;
     }
   }
-  if (sub == 0) near[static_cast<std::int64_t>(h) * s + i] = r;
+  if (grp.sub == 0) near[static_cast<std::int64_t>(h) * s + i] = r;
 }
 
 // nsum[h, d] = sum_i n[h, i, d] in double, rows in order (one block per head).
