@@ -46,6 +46,7 @@
 #include "cli/cmd_r1kv.hpp"
 #include "cli/cmd_chat_demo.hpp"  // kvkit chat-demo
 #include "engine/checkpoint.hpp"
+#include "engine/composite_policy.hpp"
 #include "engine/engine.hpp"
 #include "engine/fidelity.hpp"
 #include "engine/gguf.hpp"
@@ -136,6 +137,18 @@ struct Options {
   std::shared_ptr<std::vector<kvkit::cli::PolicyEntry>> policies;  // owns the policies' option storage
   kvkit::cli::StoreDemoOptions store_demo;  // kvkit store-demo
 };
+
+// --policy NAME or NAME+NAME+...: the policies hosted together in one engine.
+std::vector<std::string> split_policy(const std::string& s) {
+  std::vector<std::string> parts;
+  std::string::size_type from = 0;
+  for (;;) {
+    const std::string::size_type plus = s.find('+', from);
+    parts.push_back(s.substr(from, plus == std::string::npos ? std::string::npos : plus - from));
+    if (plus == std::string::npos) return parts;
+    from = plus + 1;
+  }
+}
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string o;
@@ -253,9 +266,19 @@ bool parse_args(int argc, char** argv, Options& o) {
   }
   gen->add_option("--policy", o.policy,
                   "KV-cache policy hosted during the run: " + join(policy_names, ", ") +
-                      " (default: no policy; none hosts nothing, the full cache, to check --compare-full); its options are listed here too")
-      ->type_name("NAME")
-      ->check(CLI::IsMember(policy_names));
+                      ", or several joined by '+' in one engine (r1kv+eps: at most one that replaces attention, "
+                      "one that moves tokens) (default: no policy; none hosts nothing, the full cache, to check "
+                      "--compare-full); its options are listed here too")
+      ->type_name("NAME[+NAME]")
+      ->check([policy_names](const std::string& s) -> std::string {
+        const std::vector<std::string> parts = split_policy(s);
+        for (const std::string& part : parts) {
+          if (std::find(policy_names.begin(), policy_names.end(), part) == policy_names.end())
+            return "'" + part + "' is not a policy (" + join(policy_names, ", ") + ")";
+          if (part == "none" && parts.size() > 1) return "none hosts nothing and cannot be combined with '" + s + "'";
+        }
+        return "";
+      });
   gen->add_flag("--compare-full", o.compare_full,
                 "also run the full cache in lockstep, its greedy tokens teacher-forced into the policy "
                 "run, and report top1_agreement, mean_kl, max_kl (nats) over the generated steps");
@@ -307,7 +330,10 @@ bool parse_args(int argc, char** argv, Options& o) {
     // A family's options without one of its policies would be silently ignored.
     for (const kvkit::cli::PolicyEntry& e : *o.policies)
       for (const std::string& opt : e.option_names)
-        if (gen->count(opt) > 0 && std::find(e.names.begin(), e.names.end(), o.policy) == e.names.end())
+        if (gen->count(opt) > 0 && std::none_of(e.names.begin(), e.names.end(), [&](const std::string& n) {
+              const std::vector<std::string> parts = split_policy(o.policy);
+              return std::find(parts.begin(), parts.end(), n) != parts.end();
+            }))
           throw UsageError(opt + " needs --policy " + join(e.names, "|"));
     if (o.compare_full && o.policy.empty()) throw UsageError("--compare-full needs --policy NAME");
   }
@@ -530,15 +556,24 @@ void check_steps(const Options& o, const LoadedModel& m) {
 std::unique_ptr<EnginePolicy> make_policy(const Options& o, const kvkit::engine::ModelConfig& c,
                                           const EngineOptions& eo) {
   if (o.policy.empty()) return nullptr;
-  for (const kvkit::cli::PolicyEntry& e : *o.policies)
-    if (std::find(e.names.begin(), e.names.end(), o.policy) != e.names.end()) {
-      try {
-        return e.make(o.policy, c, eo);
-      } catch (const kvkit::Error& err) {
-        throw UsageError("--policy " + o.policy + ": " + strip_kvkit_prefix(err.what()));
-      }
+  std::vector<std::unique_ptr<EnginePolicy>> parts;
+  for (const std::string& name : split_policy(o.policy)) {
+    const auto e = std::find_if(o.policies->begin(), o.policies->end(), [&](const kvkit::cli::PolicyEntry& x) {
+      return std::find(x.names.begin(), x.names.end(), name) != x.names.end();
+    });
+    if (e == o.policies->end()) throw UsageError("unknown --policy " + name);
+    try {
+      parts.push_back(e->make(name, c, eo));
+    } catch (const kvkit::Error& err) {
+      throw UsageError("--policy " + name + ": " + strip_kvkit_prefix(err.what()));
     }
-  throw UsageError("unknown --policy " + o.policy);
+  }
+  if (parts.size() == 1) return std::move(parts[0]);
+  try {
+    return std::make_unique<kvkit::engine::CompositePolicy>(std::move(parts));
+  } catch (const kvkit::Error& err) {
+    throw UsageError("--policy " + o.policy + ": " + strip_kvkit_prefix(err.what()));
+  }
 }
 
 // Steps the engine of a run and, with --compare-full, a full-cache engine in lockstep: the

@@ -68,6 +68,42 @@ TEST_CASE("kvkit generate --policy r1kv: usage errors name the value", "[cli][r1
   }
 }
 
+TEST_CASE("kvkit generate --policy r1kv+eps: two policies in one engine, both counters in the JSON", "[cli][r1kv][eps]") {
+  // The compaction schedule is R1KV's alone (one compression at 96 cached tokens, as in
+  // the r1kv case above); EPS re-summarises the pages it rewrote and reads a page subset.
+  const Json alone = run_json("generate " + model_arg() + "--prompt 1 --steps 120 --policy r1kv --budget 64 "
+                              "--buffer 32 --json");
+  const Json j = run_json("generate " + model_arg() + "--prompt 1 --steps 120 --policy r1kv+eps --budget 64 "
+                          "--buffer 32 --strict --eps 1e-3 --compare-full --json");
+  CHECK(j.at("policy") == "r1kv+eps");
+  CHECK(j.at("compressions") == 1);
+  CHECK(j.at("pages_freed") == 2);
+  CHECK(j.at("pages_in_use") == alone.at("pages_in_use"));
+  CHECK(j.at("pages_total").get<double>() > 0);
+  CHECK(j.at("pages_visited").get<double>() <= j.at("pages_total").get<double>());
+  CHECK(j.at("summaries_rebuilt").get<double>() > 0);  // the compacted pages, every layer
+  CHECK(j.at("certified_omitted_max").get<double>() <= 1e-3 * (1 + 1e-9));
+  // KV bytes: R1KV's pages plus the summaries (a registered pool).
+  CHECK(j.at("kv_bytes_final").get<double>() ==
+        alone.at("kv_bytes_final").get<double>() + j.at("summary_bytes").get<double>());
+  CHECK(j.at("top1_agreement").get<double>() > 0.5);
+
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : {Case{"--policy eps+kvchan", "eps and kvchan both replace the attention call"},
+                        Case{"--policy r1kv+streaming --budget 32", "r1kv and streaming both move cached tokens"},
+                        Case{"--policy r1kv+eps+r1kv --budget 32", "r1kv is listed twice"},
+                        Case{"--policy r1kv+", "'' is not a policy"},
+                        Case{"--policy none+eps", "none hosts nothing and cannot be combined"},
+                        Case{"--policy r1kv+eps --W 64", "--W needs --policy kvchan"}}) {
+    CAPTURE(c.args);
+    const CliResult r = run_cli("generate --steps 8 " + c.args + " --json");
+    CHECK(r.code == 2);
+    CHECK_THAT(r.err, Catch::Contains(c.message));
+  }
+}
+
 TEST_CASE("kvkit generate --policy r1kv on SmolLM2: prefilled prompt compressed", "[cli][r1kv][smollm2]") {
   if (!fs::exists(kSmolPath)) {
     WARN("skipped: no model file " << kSmolPath);

@@ -465,8 +465,14 @@ class Engine {
   /// Registers a hook run after every completed step, in registration order.
   void add_step_hook(StepHook hook) { hooks_.push_back(std::move(hook)); }
   /// Replaces the dense attention (an empty function restores it). `workspace_size` says
-  /// how much scratch the hook needs for a layer's view (sized before each call).
+  /// how much scratch the hook needs for a layer's view (sized before each call). The
+  /// attention call is one slot: replacing a hook that is already installed throws
+  /// kvkit::Error (two policies would otherwise silently drop one another); restore the
+  /// dense kernel first to swap hooks on purpose.
   void set_attention(AttentionFn fn, AttentionWorkspaceFn workspace_size = {}) {
+    KVKIT_CHECK(!fn || !attention_.run,
+                "kvkit: set_attention: the attention call is already replaced by another hook "
+                "(set_attention({}) restores the dense kernel first)");
     attention_.run = std::move(fn);
     attention_.workspace_size = std::move(workspace_size);
   }

@@ -37,6 +37,8 @@ class EpsPolicy : public EnginePolicy {
   }
 
   std::string name() const override { return name_; }
+  /// Replaces the attention call (page-subset attention); moves no token.
+  PolicyRole role() const override { return {true, false}; }
 
   void attach(Engine& eng) override {
     KVKIT_CHECK(store_ == nullptr, "kvkit: eps policy is already attached to an engine");

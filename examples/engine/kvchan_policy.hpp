@@ -83,6 +83,8 @@ class KvchanPolicy : public EnginePolicy {
   ~KvchanPolicy() override = default;
 
   std::string name() const override { return "kvchan"; }
+  /// Moves old tokens to its packed pool and (in dynamic mode) replaces the attention call.
+  PolicyRole role() const override { return {opt_.params.mode == channel::ChannelMode::kDynamic, true}; }
 
   void attach(Engine& eng) override {
     KVKIT_CHECK(eng_ == nullptr, "kvchan: attach() called twice");

@@ -20,6 +20,16 @@ namespace engine {
 /// Counters of a policy, in a stable order: ("compressions", 3), ("pages_freed", 40).
 using PolicyStats = std::vector<std::pair<std::string, double>>;
 
+/// What a policy takes over in the engine, so several can share one (CompositePolicy):
+/// the attention call is a single slot, and a sequence's old tokens can be moved by one
+/// policy only (a compactor rewrites them inside the engine's pages, a channel packer
+/// moves them to its own pool; either one would invalidate the other's bookkeeping).
+/// Everything else (step hooks, page listeners, pools) is shared by construction.
+struct PolicyRole {
+  bool replaces_attention = false;  // installs Engine::set_attention
+  bool moves_tokens = false;        // rewrites, truncates or moves cached tokens
+};
+
 /// A policy hosted by the example engine. attach() is called once, before the engine has
 /// sequences; stats() may be called at any time (names become JSON keys of `kvkit
 /// generate --json`, so use snake_case and do not reuse the CLI's own keys).
@@ -33,6 +43,8 @@ class EnginePolicy {
   virtual void attach(Engine& eng) = 0;
   /// Counters so far.
   virtual PolicyStats stats() const = 0;
+  /// What attach() takes over (default: neither), checked before policies are combined.
+  virtual PolicyRole role() const { return {}; }
 };
 
 }  // namespace engine

@@ -82,6 +82,8 @@ class CompressorPolicy : public EnginePolicy {
   explicit CompressorPolicy(const CompressorPolicyOptions& o) : opt_(o), comp_(o.params) {}
 
   std::string name() const override { return Scorer::kName; }
+  /// Compacts and truncates cached tokens; attention stays the engine's.
+  PolicyRole role() const override { return {false, true}; }
 
   /// Sizes the workspaces and keep lists for `eng`'s model and installs the step hook.
   /// Throws kvkit::Error when the model cannot host the policy (budget past seq_len).

@@ -1,0 +1,105 @@
+#pragma once
+// CompositePolicy: several EnginePolicy objects hosted by one engine (`kvkit generate
+// --policy r1kv+eps`).
+//
+// The parts attach in the order given and never call each other: they meet only through
+// the engine's host contract. A compactor (the Compressor policies) rewrites pages and
+// says so with notify_rewrite / truncate_kv, so a Sketcher (EpsPolicy) sees kRewrite and
+// freeing kRelease events and re-summarises or drops exactly those pages; step hooks run in
+// registration order; registered pools add up in kv_bytes_in_use().
+//
+// Two things exist once per engine and are checked before anything attaches (PolicyRole):
+// the attention call (EpsPolicy and the kvchan policy both replace it) and the right to
+// move a sequence's cached tokens (a compactor rewrites them in the engine's pages, the
+// kvchan policy moves old tokens to its packed pool; each keeps per-sequence bookkeeping
+// the other would silently break). Combinations that need both twice throw kvkit::Error
+// naming the two policies.
+
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/engine.hpp"
+#include "engine/policy.hpp"
+#include "kvkit/core/error.hpp"
+
+namespace kvkit {
+namespace engine {
+
+class CompositePolicy : public EnginePolicy {
+ public:
+  /// Takes at least two policies with distinct names; throws kvkit::Error naming the
+  /// conflict when two of them replace the attention call or move tokens.
+  explicit CompositePolicy(std::vector<std::unique_ptr<EnginePolicy>> parts) : parts_(std::move(parts)) {
+    KVKIT_CHECK(parts_.size() >= 2, "kvkit: a composite policy needs at least 2 policies, got ", parts_.size());
+    std::set<std::string> names;
+    const EnginePolicy* attention = nullptr;
+    const EnginePolicy* mover = nullptr;
+    for (const auto& p : parts_) {
+      KVKIT_CHECK(p != nullptr, "kvkit: a composite policy got a null policy");
+      KVKIT_CHECK(names.insert(p->name()).second, "kvkit: policy ", p->name(), " is listed twice");
+      const PolicyRole r = p->role();
+      if (r.replaces_attention) {
+        KVKIT_CHECK(attention == nullptr, "kvkit: policies ", attention ? attention->name() : "", " and ",
+                    p->name(), " both replace the attention call; combine at most one of them with others");
+        attention = p.get();
+      }
+      if (r.moves_tokens) {
+        KVKIT_CHECK(mover == nullptr, "kvkit: policies ", mover ? mover->name() : "", " and ", p->name(),
+                    " both move cached tokens; combine at most one of them with others");
+        mover = p.get();
+      }
+    }
+  }
+
+  /// The parts' names joined by '+', in attach order ("r1kv+eps").
+  std::string name() const override {
+    std::string n;
+    for (const auto& p : parts_) n += (n.empty() ? "" : "+") + p->name();
+    return n;
+  }
+
+  void attach(Engine& eng) override {
+    KVKIT_CHECK(!attached_, "kvkit: policy ", name(), " is already attached to an engine");
+    attached_ = true;
+    for (const auto& p : parts_) p->attach(eng);
+  }
+
+  /// Every part's counters in attach order; a name reported by an earlier part is
+  /// prefixed with the later part's name ("eps_pages_freed"), so no counter is lost.
+  PolicyStats stats() const override {
+    PolicyStats all;
+    std::set<std::string> seen;
+    for (const auto& p : parts_)
+      for (auto kv : p->stats()) {
+        if (!seen.insert(kv.first).second) {
+          kv.first = p->name() + "_" + kv.first;
+          seen.insert(kv.first);
+        }
+        all.push_back(std::move(kv));
+      }
+    return all;
+  }
+
+  PolicyRole role() const override {
+    PolicyRole r;
+    for (const auto& p : parts_) {
+      r.replaces_attention = r.replaces_attention || p->role().replaces_attention;
+      r.moves_tokens = r.moves_tokens || p->role().moves_tokens;
+    }
+    return r;
+  }
+
+  /// Part i, in attach order.
+  EnginePolicy& part(std::size_t i) const { return *parts_.at(i); }
+  std::size_t size() const { return parts_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<EnginePolicy>> parts_;
+  bool attached_ = false;
+};
+
+}  // namespace engine
+}  // namespace kvkit
