@@ -1,9 +1,13 @@
 #pragma once
 // Small drivers of the example engine shared by the engine, prefill and CLI tests.
 
+#include <catch2/catch.hpp>
+
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -11,6 +15,22 @@
 
 namespace kvkit {
 namespace test {
+
+/// stories260K when KVKIT_MODEL_DIR holds it, else the synthetic checkpoint of the same
+/// shape (a WARN says so); loaded once per test binary.
+inline std::shared_ptr<const engine::Checkpoint> stories_or_synthetic() {
+  static std::shared_ptr<const engine::Checkpoint> ck;
+  if (!ck) {
+    const std::string path = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
+    if (std::filesystem::exists(path)) {
+      ck = std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(path));
+    } else {
+      WARN("no model file " << path << ": running on the synthetic checkpoint");
+      ck = std::make_shared<const engine::Checkpoint>(engine::default_synthetic_checkpoint());
+    }
+  }
+  return ck;
+}
 
 /// Runs `steps` engine steps for the given prompts (one sequence each, batch = all of
 /// them); returns every sequence's tokens.

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,26 +30,14 @@
 #include "engine/fidelity.hpp"
 #include "engine/kvchan_policy.hpp"
 #include "engine/r1kv_policy.hpp"
+#include "engine_runs.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
 
 namespace {
 
-const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
-
-std::shared_ptr<const Checkpoint> model() {
-  static std::shared_ptr<const Checkpoint> ck;
-  if (!ck) {
-    if (std::filesystem::exists(kModelPath)) {
-      ck = std::make_shared<const Checkpoint>(load_checkpoint(kModelPath));
-    } else {
-      WARN("no model file " << kModelPath << ": running on the synthetic checkpoint");
-      ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
-    }
-  }
-  return ck;
-}
+std::shared_ptr<const Checkpoint> model() { return test::stories_or_synthetic(); }
 
 CompressorPolicyOptions r1kv_options() {
   CompressorPolicyOptions o;

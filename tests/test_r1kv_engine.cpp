@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <set>
@@ -33,26 +32,14 @@
 #include "engine/fidelity.hpp"
 #include "engine/r1kv_policy.hpp"
 #include "kvkit/kernels/cpu/gather.hpp"
+#include "engine_runs.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
 
 namespace {
 
-const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
-
-std::shared_ptr<const Checkpoint> model() {
-  static std::shared_ptr<const Checkpoint> ck;
-  if (!ck) {
-    if (std::filesystem::exists(kModelPath)) {
-      ck = std::make_shared<const Checkpoint>(load_checkpoint(kModelPath));
-    } else {
-      WARN("no model file " << kModelPath << ": running on the synthetic checkpoint");
-      ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
-    }
-  }
-  return ck;
-}
+std::shared_ptr<const Checkpoint> model() { return test::stories_or_synthetic(); }
 
 CompressorPolicyOptions options(std::int32_t budget, std::int32_t buffer) {
   CompressorPolicyOptions o;
