@@ -29,6 +29,7 @@
 #include "engine/kvchan_policy.hpp"
 #include "kvkit/channel/kvchan.hpp"
 #include "kvkit/channel/packed_store.hpp"
+#include "engine_runs.hpp"
 #include "reference.hpp"
 
 using namespace kvkit;
@@ -43,18 +44,7 @@ namespace {
 
 const std::string kStoriesPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
 
-std::shared_ptr<const engine::Checkpoint> stories() {
-  static std::shared_ptr<const engine::Checkpoint> ck;
-  if (!ck) {
-    if (std::filesystem::exists(kStoriesPath)) {
-      ck = std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(kStoriesPath));
-    } else {
-      WARN("stories260K: no model file " << kStoriesPath << "; using the generated checkpoint of its shape");
-      ck = std::make_shared<const engine::Checkpoint>(engine::default_synthetic_checkpoint());
-    }
-  }
-  return ck;
-}
+std::shared_ptr<const engine::Checkpoint> stories() { return test::stories_or_synthetic(); }
 
 // A random ascending set of r dims of [0, d).
 std::vector<std::int32_t> random_set(std::int32_t d, std::int32_t r, std::mt19937_64& rng) {
