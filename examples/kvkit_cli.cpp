@@ -260,11 +260,13 @@ bool parse_args(int argc, char** argv, Options& o) {
   add_text_options(*gen, o, false);
   o.policies = std::make_shared<std::vector<kvkit::cli::PolicyEntry>>(kvkit::cli::all_policies());
   std::vector<std::string> policy_names;
-  for (const kvkit::cli::PolicyEntry& e : *o.policies) {
+  for (const kvkit::cli::PolicyEntry& e : *o.policies)
     policy_names.insert(policy_names.end(), e.names.begin(), e.names.end());
-    e.add_options(*gen);
-  }
-  gen->add_option("--policy", o.policy,
+  // --policy and every family's options, on generate and on chat (one storage: only one
+  // subcommand is parsed per run).
+  auto add_policy_options = [&](CLI::App& cmd) {
+  for (const kvkit::cli::PolicyEntry& e : *o.policies) e.add_options(cmd);
+  cmd.add_option("--policy", o.policy,
                   "KV-cache policy hosted during the run: " + join(policy_names, ", ") +
                       ", or several joined by '+' in one engine (r1kv+eps: at most one that replaces attention, "
                       "one that moves tokens) (default: no policy; none hosts nothing, the full cache, to check "
@@ -279,12 +281,15 @@ bool parse_args(int argc, char** argv, Options& o) {
         }
         return "";
       });
+  };
+  add_policy_options(*gen);
   gen->add_flag("--compare-full", o.compare_full,
                 "also run the full cache in lockstep, its greedy tokens teacher-forced into the policy "
                 "run, and report top1_agreement, mean_kl, max_kl (nats) over the generated steps");
   CLI::App* chat = app.add_subcommand("chat", "interactive multi-turn chat with a GGUF model: one user turn per stdin line, the conversation's KV kept between turns");
   add_engine_options(*chat, o, false);
   add_text_options(*chat, o, true);
+  add_policy_options(*chat);
   CLI::App* probe = kvkit::cli::add_probe_command(app, o.probe);
   CLI::App* trace = app.add_subcommand("trace", "greedy decoding of one sequence; writes per-layer K/V/Q, tokens and logits as .npy");
   add_engine_options(*trace, o);
@@ -326,16 +331,17 @@ bool parse_args(int argc, char** argv, Options& o) {
   o.system_given = o.command != "trace" && cmd->count("--system") > 0;
   o.max_tokens_given = o.command != "trace" && cmd->count("--max-tokens") > 0;
   if (o.command == "chat") o.stop_at_eos = true;
-  if (o.command == "generate") {
+  if (o.command == "generate" || o.command == "chat") {
     // A family's options without one of its policies would be silently ignored.
     for (const kvkit::cli::PolicyEntry& e : *o.policies)
       for (const std::string& opt : e.option_names)
-        if (gen->count(opt) > 0 && std::none_of(e.names.begin(), e.names.end(), [&](const std::string& n) {
+        if (cmd->count(opt) > 0 && std::none_of(e.names.begin(), e.names.end(), [&](const std::string& n) {
               const std::vector<std::string> parts = split_policy(o.policy);
               return std::find(parts.begin(), parts.end(), n) != parts.end();
             }))
           throw UsageError(opt + " needs --policy " + join(e.names, "|"));
-    if (o.compare_full && o.policy.empty()) throw UsageError("--compare-full needs --policy NAME");
+    if (o.command == "generate" && o.compare_full && o.policy.empty())
+      throw UsageError("--compare-full needs --policy NAME");
   }
   return true;
 }
@@ -622,7 +628,8 @@ Lockstep make_lockstep(Engine& eng, Engine* full) {
 }
 
 // Adds the policy's counters and, with --compare-full, the fidelity fields to `j`.
-void add_policy_json(Json& j, const EnginePolicy* policy, const Lockstep& ls) {
+// Adds the policy's name and counters to `j`.
+void add_policy_stats(Json& j, const EnginePolicy* policy) {
   if (!policy) return;
   j["policy"] = policy->name();
   for (const auto& kv : policy->stats()) {
@@ -632,6 +639,12 @@ void add_policy_json(Json& j, const EnginePolicy* policy, const Lockstep& ls) {
     if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9e15) j[kv.first] = static_cast<std::int64_t>(v);
     else j[kv.first] = v;
   }
+}
+
+// Adds the policy's counters and, with --compare-full, the fidelity fields to `j`.
+void add_policy_json(Json& j, const EnginePolicy* policy, const Lockstep& ls) {
+  if (!policy) return;
+  add_policy_stats(j, policy);
   j["compare_full"] = ls.full != nullptr;
   if (!ls.full) return;
   j["top1_agreement"] = ls.meter.top1_agreement();
@@ -1049,6 +1062,7 @@ int cmd_chat(const Options& o) {
   const TextModel tm = load_text_model(o.model, o.matvec == "float");
   const auto& c = tm.model.ckpt->config();
   const EngineOptions eo = text_engine_options(o, c, c.seq_len);
+  const auto policy = make_policy(o, c, eo);  // kept for the whole conversation
   std::unique_ptr<Engine> eng;
   SeqId id = -1;
   const bool tty = isatty(STDIN_FILENO) != 0;
@@ -1067,7 +1081,7 @@ int cmd_chat(const Options& o) {
       if (o.system_given) msgs.push_back({"system", o.system});
       msgs.push_back({"user", line});
       new_tokens = tm.tmpl.encode(*tm.tok, msgs, true);
-      eng = make_engine(tm.model, eo, {new_tokens});
+      eng = make_engine(tm.model, eo, {new_tokens}, policy.get());
       id = eng->sequences().at(0);
     } else {
       // The previous turn left its last token pending: <|im_end|>, or (cut by --max-tokens)
@@ -1096,6 +1110,7 @@ int cmd_chat(const Options& o) {
                        {"processed_prompt_tokens", t.prompt},
                        {"stop", t.stop},
                        {"kv_len", eng->kv_len(id)},
+                       {"kv_bytes", eng->kv_bytes_in_use()},
                        {"tokens_per_s", t.decode_tps()},
                        {"prefill_tokens_per_s", t.prefill_tps()}});
     } else {
@@ -1118,7 +1133,11 @@ int cmd_chat(const Options& o) {
                     {"turns", turns},
                     {"kv_bytes_peak", eng ? eng->kv_bytes_peak() : 0},
                     {"pages_in_use", eng ? eng->pages_in_use() : 0}};
-    std::cout << dump(j);
+    Json out = j;
+    if (eng) add_policy_stats(out, policy.get());
+    std::cout << dump(out);
+  } else if (eng && policy) {
+    std::cerr << "kvkit: " << policy_line(policy.get(), make_lockstep(*eng, nullptr)) << "\n";
   }
   return 0;
 }

@@ -522,6 +522,34 @@ TEST_CASE("kvkit generate with a GGUF model: text in, chat answer out, JSON fiel
   }
 }
 
+TEST_CASE("kvkit chat --policy r1kv bounds the conversation's KV across turns", "[cli][gguf][chat][smollm2][r1kv]") {
+  if (!fs::exists(kSmolPath)) {
+    WARN("skipped: no model file " << kSmolPath << " (run scripts/fetch-model.sh)");
+    return;
+  }
+  TempDir tmp("chat_policy");
+  const std::string in = tmp.file("in.txt");
+  std::ofstream(in) << "My name is Ada. Write two sentences about the sea.\nNow two sentences about mountains.\n"
+                       "What is my name?\n";
+  const std::string base = "chat --json --model " + quoted(kSmolPath) + " --max-tokens 40 ";
+  const Json full = run_json(base + "< " + quoted(in));
+  const Json j = run_json(base + "--policy r1kv+eps --budget 64 --buffer 16 --strict < " + quoted(in));
+  REQUIRE(j.at("turns").size() == 3);
+  CHECK(j.at("policy") == "r1kv+eps");
+  CHECK(j.at("compressions").get<int>() >= 2);
+  CHECK(j.at("certified_omitted_max").get<double>() <= 1e-3 * (1 + 1e-9));
+  // The sequence never caches more than budget + buffer tokens, whatever the turns add
+  // (the full run's last turn holds every token), and its pages are fewer.
+  for (const Json& t : j.at("turns")) CHECK(t.at("kv_len").get<int>() <= 64 + 16);
+  CHECK(full.at("turns").back().at("kv_len").get<int>() > 64 + 16);
+  CHECK(j.at("pages_in_use").get<int>() < full.at("pages_in_use").get<int>());
+  // Turn 1 (its prompt alone is below the budget) answers as without the policy.
+  CHECK(j.at("turns")[0].at("text") == full.at("turns")[0].at("text"));
+  const CliResult bad = run_cli("chat --model " + quoted(kSmolPath) + " --policy eps+kvchan < /dev/null");
+  CHECK(bad.code == 2);
+  CHECK(bad.err.find("both replace the attention call") != std::string::npos);
+}
+
 TEST_CASE("kvkit chat keeps the conversation's KV between turns", "[cli][gguf][chat][smollm2]") {
   if (!fs::exists(kSmolPath)) {
     WARN("skipped: no model file " << kSmolPath << " (run scripts/fetch-model.sh)");
