@@ -29,7 +29,8 @@
 //  - Attention hook (set_attention): an AttentionFn gets, per layer, the view, the sequence
 //    id of every batch row (AttentionCall::seq_ids; do not assume rows sorted by id), the
 //    post-RoPE queries and a Workspace sized by its AttentionWorkspaceFn (at least what the
-//    dense kernel needs). It must not change sequences.
+//    dense kernel needs). It must not change sequences. One hook at a time: installing a
+//    second one throws (several policies: see composite_policy.hpp).
 //  - Step hooks (add_step_hook) run after a completed step with its views, queries and
 //    logits; they may change sequences (truncate_kv, free_sequence, notify_rewrite).
 //  - Page events (add_page_listener): every allocate / retain / release of a page, with the
