@@ -118,6 +118,7 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
     keep_.assign(static_cast<std::size_t>(layers_) * hkv_ * p.budget, 0);
     qwin_.assign(static_cast<std::size_t>(hq_) * p.window * dim_, 0.f);
     rewrite_.reserve(static_cast<std::size_t>(p.budget / g.page_size + 2));
+    before_.reserve(static_cast<std::size_t>(c.seq_len / g.page_size + 2));
     eng.add_step_hook([this](Engine& e, const StepInfo& info) { on_step(e, info); });
   }
 
@@ -284,11 +285,15 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
             break;
           }
     }
-    // 2. Own every page before rewriting (never change a page another sequence reads).
-    const std::int32_t in_use = eng.pages_in_use();
+    // 2. Own every page before rewriting (never change a page another sequence reads). The
+    // copies are the pages whose id changed (not the pages_in_use delta: the reclaim
+    // callback may free pages meanwhile).
+    before_.assign(eng.pages(id).begin(), eng.pages(id).end());
     eng.make_exclusive(id);
     KVKIT_CHECK(eng.has_sequence(id), "kvkit: sequence ", id, " was freed while made exclusive");
-    n_.pages_copied += eng.pages_in_use() - in_use;
+    const std::vector<std::int32_t>& owned = eng.pages(id);
+    for (std::size_t i = 0; i < std::min(before_.size(), owned.size()); ++i)
+      n_.pages_copied += owned[i] != before_[i] ? 1 : 0;
     // 3. Compact each layer inside the sequence's own pages.
     for (std::int32_t l = 0; l < layers_; ++l) {
       const PagedKVView<float> v = seq_view(eng, id, l);
@@ -327,6 +332,7 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
   std::vector<std::int32_t> keep_;        // [layers, Hkv, budget] kept slots of the last compression
   std::vector<float> qwin_;               // [Hq, window, D] one layer's window, oldest first
   std::vector<std::int32_t> rewrite_;     // pages passed to notify_rewrite
+  std::vector<std::int32_t> before_;      // the compressed sequence's pages before make_exclusive
   std::int32_t indptr_[2] = {0, 0};
   std::int32_t last_len_ = 0;
   SeqId last_id_ = -1;
