@@ -20,6 +20,13 @@
 // prefix_lru). The default page budget is 25 % of the pages of the total final history
 // (at least one conversation's pages).
 //
+// --budget B [--buffer U] adds a fifth way, conversation_cache_r1kv: conversation_cache with
+// R1KV attached (CompressorPolicy, budget B, buffer U), so conversations are compressed and
+// suspended / resumed compressed (the policy's query window carried, see
+// conversation_host.hpp). It is lossy by design, so outputs_match leaves it out; every
+// conversation way reports the KV bytes its cache holds (kv_bytes_held at the end,
+// kv_bytes_held_peak after any turn) and the R1KV way its compression counters.
+//
 // Entry point: run_chat_demo(argc, argv) with argv[0] == "chat-demo"; returns the exit code
 // (0 ok, 1 library or I/O error, 2 usage error), errors as in the rest of the CLI.
 
@@ -49,6 +56,7 @@
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "engine/prefix_lru.hpp"
+#include "engine/r1kv_policy.hpp"
 #include "engine/tokenizer.hpp"
 #include "kvkit/conversation/conversation_cache.hpp"
 #include "kvkit/store/block_store.hpp"
@@ -84,6 +92,8 @@ struct Options {
   std::string evict = "whole";  // conversation_cache under pressure: whole | trim
   bool no_share = false;        // conversation ways without cross-conversation prefix sharing
   bool json = false;
+  std::int32_t r1kv_budget = 0;   // > 0: also run conversation_cache_r1kv
+  std::int32_t r1kv_buffer = 16;
 };
 
 /// The workload: per conversation, per turn, the tokens a turn appends (GGUF turns after the
@@ -159,10 +169,15 @@ struct WayResult {
   std::vector<std::vector<std::int32_t>> outputs;  // generated tokens of each turn
   std::int32_t max_pages = 0;    // pages of the longest conversation (prompt + reply)
   std::int64_t total_pages = 0;  // sum over conversations of their final history's pages
+  std::int64_t kv_bytes_held = -1;       // conversation ways: KV bytes the cache holds at the end
+  std::int64_t kv_bytes_held_peak = -1;  // ... and at most after a turn
+  std::int32_t suspended = 0;            // conversations suspended in memory at the end
+  engine::PolicyStats policy_stats;      // the R1KV way's counters
+  conversation::Metrics metrics;         // conversation ways
   double reuse_fraction() const { return reusable > 0 ? static_cast<double>(reused) / reusable : 0.0; }
 };
 
-enum class Way { kNoCache, kPrefixLru, kConversation, kConversationSpill };
+enum class Way { kNoCache, kPrefixLru, kConversation, kConversationSpill, kConversationR1kv };
 
 inline const char* way_name(Way w) {
   switch (w) {
@@ -170,6 +185,7 @@ inline const char* way_name(Way w) {
     case Way::kPrefixLru: return "prefix_lru";
     case Way::kConversation: return "conversation_cache";
     case Way::kConversationSpill: return "conversation_cache_spill";
+    case Way::kConversationR1kv: return "conversation_cache_r1kv";
   }
   return "?";
 }
@@ -197,7 +213,15 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   std::unique_ptr<store::BlockStore<float>> bs;
   std::unique_ptr<conversation::ConversationCache<float>> cache;
   std::unique_ptr<engine::PrefixLruCache> plru;
-  if (way == Way::kConversation || way == Way::kConversationSpill) {
+  std::unique_ptr<engine::R1KVPolicy> r1kv;
+  if (way == Way::kConversationR1kv) {
+    engine::CompressorPolicyOptions po;
+    po.params.budget = o.r1kv_budget;
+    po.params.buffer = o.r1kv_buffer;
+    r1kv = std::make_unique<engine::R1KVPolicy>(po);
+    r1kv->attach(eng);
+  }
+  if (way == Way::kConversation || way == Way::kConversationSpill || way == Way::kConversationR1kv) {
     conversation::Params p;
     p.trim_under_pressure = o.evict == "trim";
     p.share_prefixes = !o.no_share;
@@ -245,8 +269,8 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
       s = eng.add_sequence(prompt, h.pages, h.cached_len);
     } else {
       conversation::Resume r;
-      s = engine::start_turn(eng, *cache, id, prompt, &r);
-      cached = r.cached_len;
+      s = engine::start_turn(eng, *cache, id, prompt, &r, r1kv.get());
+      cached = r.position;  // a compressed resume caches fewer, but prefills only past it
     }
     eng.prefill(s);
     std::vector<std::int32_t> out;
@@ -275,7 +299,8 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
       eng.free_sequence(s);
       plru->queue_unused(pages);
     } else {
-      engine::finish_turn(eng, *cache, id, s);
+      engine::finish_turn(eng, *cache, id, s, r1kv.get());
+      res.kv_bytes_held_peak = std::max(res.kv_bytes_held_peak, eng.pages_bytes(cache->held_pages()));
     }
     rec.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     res.prefill += rec.prefill;
@@ -288,6 +313,12 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   for (const auto& h : hist) res.total_pages += pages_for(static_cast<std::int64_t>(h.size()), o.page_size);
   if (cache) res.evictions = static_cast<std::int64_t>(cache->metrics().evictions);
   if (cache) res.shared_pages = static_cast<std::int64_t>(cache->metrics().shared_pages);
+  if (cache) {
+    res.kv_bytes_held = eng.pages_bytes(cache->held_pages());
+    res.suspended = cache->suspended();
+    res.metrics = cache->metrics();
+  }
+  if (r1kv) res.policy_stats = r1kv->stats();
   if (plru) res.evictions = static_cast<std::int64_t>(plru->evicted_blocks());
   return res;
 }
@@ -375,8 +406,21 @@ inline int run(const Options& o) {
   auto backend = make_backend(o.store);
   const std::string ns = store::make_namespace(model_name, "chat-demo-" + std::to_string(o.page_size));
 
+  if (o.r1kv_budget > 0) {  // the policy's own checks, as a usage error
+    compressor::Params cp;
+    cp.budget = o.r1kv_budget;
+    cp.buffer = o.r1kv_buffer;
+    try {
+      cp.validate();
+    } catch (const Error& e) {
+      throw UsageError(std::string("--budget / --buffer: ") + e.what());
+    }
+    if (o.r1kv_budget >= cfg.seq_len)
+      throw UsageError("--budget " + std::to_string(o.r1kv_budget) + " must be below the model's seq_len " +
+                       std::to_string(cfg.seq_len));
+  }
   std::vector<WayResult> results;
-  results.reserve(4);  // `base` refers into it
+  results.reserve(5);  // `base` refers into it
   results.push_back(run_way(Way::kNoCache, wl, ck, o, one, nullptr, ns));
   const WayResult& base = results[0];
   std::int32_t budget = o.page_budget;
@@ -387,9 +431,11 @@ inline int run(const Options& o) {
                      std::to_string(base.max_pages) + " pages of " + std::to_string(o.page_size) + " tokens");
   for (Way w : {Way::kPrefixLru, Way::kConversation, Way::kConversationSpill})
     results.push_back(run_way(w, wl, ck, o, budget, backend.get(), ns));
+  if (o.r1kv_budget > 0) results.push_back(run_way(Way::kConversationR1kv, wl, ck, o, budget, backend.get(), ns));
 
   bool match = true;
   for (const WayResult& r : results) {
+    if (r.name == way_name(Way::kConversationR1kv)) continue;  // lossy: other tokens are expected
     std::size_t first = 0;
     while (first < r.outputs.size() && r.outputs[first] == base.outputs[first]) ++first;
     if (first < r.outputs.size()) {
@@ -408,6 +454,17 @@ inline int run(const Options& o) {
                    {"evictions", r.evictions},
                    {"wall_s", r.wall_s}};
       if (r.shared_pages >= 0) j[r.name]["shared_pages"] = r.shared_pages;
+      if (r.kv_bytes_held >= 0) {
+        j[r.name]["kv_bytes_held"] = r.kv_bytes_held;
+        j[r.name]["kv_bytes_held_peak"] = r.kv_bytes_held_peak;
+        j[r.name]["suspended"] = r.suspended;
+      }
+      if (!r.policy_stats.empty()) {
+        for (const auto& kv : r.policy_stats) j[r.name][kv.first] = kv.second;
+        j[r.name]["compressed_hits"] = r.metrics.compressed_hits;
+        j[r.name]["compressed_misses"] = r.metrics.compressed_misses;
+        j[r.name]["compressed_evictions"] = r.metrics.compressed_evictions;
+      }
     }
     j["outputs_match"] = match;
     std::cout << j.dump(2) << "\n";
@@ -440,7 +497,17 @@ inline int run(const Options& o) {
     std::cout << r.name << ": prefill " << r.prefill << " tokens, reused " << r.reused << " of " << r.reusable
               << " (" << 100.0 * r.reuse_fraction() << " %), evictions " << r.evictions
               << (r.shared_pages >= 0 ? ", shared pages " + std::to_string(r.shared_pages) : std::string())
+              << (r.kv_bytes_held >= 0 ? ", KV held " + std::to_string(r.kv_bytes_held / 1024) + " KiB for " +
+                                             std::to_string(r.suspended) + " suspended (peak " +
+                                             std::to_string(r.kv_bytes_held_peak / 1024) + " KiB)"
+                                       : std::string())
               << ", wall " << r.wall_s << " s\n";
+  for (const WayResult& r : results)
+    if (!r.policy_stats.empty())
+      std::cout << r.name << ": R1KV budget " << o.r1kv_budget << " buffer " << o.r1kv_buffer << ", compressions "
+                << r.policy_stats[0].second << ", compressed resumes " << r.metrics.compressed_hits
+                << ", misses " << r.metrics.compressed_misses << ", compressed evictions "
+                << r.metrics.compressed_evictions << " (lossy: not in outputs_match)\n";
   std::cout << "outputs_match: " << (match ? "true" : "false") << "\n";
   return 0;
 }
@@ -479,8 +546,15 @@ inline int run_chat_demo(int argc, char** argv) {
       ->type_name("MODE")->check(CLI::IsMember({"whole", "trim"}));
   app.add_flag("--no-share", o.no_share,
                "conversation ways without cross-conversation prefix sharing (each conversation keeps its pages privately)");
+  app.add_option("--budget", o.r1kv_budget,
+                 "also run conversation_cache_r1kv: the conversation cache with R1KV attached, budget B tokens per "
+                 "kv head (conversations suspended and resumed compressed)")
+      ->type_name("B")->check(CLI::Range(1, 1 << 30));
+  CLI::Option* buffer_opt = app.add_option("--buffer", o.r1kv_buffer, "R1KV buffer: compress when a sequence caches budget + U tokens (default 16)")
+      ->type_name("U")->check(CLI::Range(0, 1 << 30));
   app.add_flag("--json", o.json, "print one JSON object");
   if (const int rc = parse_subcommand(app, argc, argv, fail); rc != kParsed) return rc;
+  if (buffer_opt->count() > 0 && o.r1kv_budget == 0) return fail(2, "--buffer needs --budget");
   try {
     return chat_demo::run(o);
   } catch (const chat_demo::UsageError& e) {

@@ -11,6 +11,12 @@
 //   SeqId s = start_turn(eng, cache, "c1", prompt);    // create or resume
 //   eng.prefill(s); ... eng.step() ...                   // the turn
 //   finish_turn(eng, cache, "c1", s);                    // suspend + free the request
+//
+// A compressed turn (kv_len < position, e.g. with R1KV attached) is suspended as a
+// compressed conversation (see conversation_cache.hpp) and resumed with its position. Pass
+// the compressor as the `keeper` of both calls so the resumed sequence gets its window of
+// recent queries back (sequence_state.hpp): the turns then decode exactly what one
+// uninterrupted sequence decodes.
 
 #include <cstdint>
 #include <string>
@@ -18,6 +24,7 @@
 
 #include "engine/block_allocator.hpp"
 #include "engine/engine.hpp"
+#include "engine/sequence_state.hpp"
 #include "kvkit/conversation/conversation_cache.hpp"
 
 namespace kvkit {
@@ -77,11 +84,14 @@ class AllocatorPageHost final : public conversation::PageHost<float> {
 /// Adds the request of conversation `id`'s next turn, whose full prompt is `prompt`
 /// (history + new tokens): creates the conversation when the cache does not know it (and
 /// it was not ended; with Params::share_prefixes its prompt's full pages found in the
-/// cache's prefix index are handed over), else resumes it with its cached pages. On failure (a bad prompt) the
+/// cache's prefix index are handed over), else resumes it with its cached pages (a
+/// compressed conversation: at its position, Resume::position). With a `keeper`, the state
+/// the previous finish_turn saved is restored into the new sequence when the resume
+/// continues the whole history. On failure (a bad prompt) the
 /// handed pages are released and the turn aborted, then the error propagates.
 inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cache,
                         const std::string& id, const std::vector<std::int32_t>& prompt,
-                        conversation::Resume* info = nullptr) {
+                        conversation::Resume* info = nullptr, SequenceStateKeeper* keeper = nullptr) {
   conversation::Resume r;
   if (!cache.contains(id) && !cache.ended(id)) {
     r = cache.create(id, prompt);
@@ -92,10 +102,15 @@ inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cac
 #if KVKIT_HAS_EXCEPTIONS
   try {
 #endif
-    s = eng.add_sequence(prompt, r.pages, r.cached_len);
+    s = eng.add_sequence(prompt, r.pages, r.cached_len, r.position);
+    if (keeper != nullptr && r.state.has_value()) keeper->restore_sequence(s, r.state);
 #if KVKIT_HAS_EXCEPTIONS
   } catch (...) {
-    for (std::int32_t p : r.pages) eng.allocator().release(p);
+    if (s >= 0) {
+      eng.free_sequence(s);  // it owns the handed pages now
+    } else {
+      for (std::int32_t p : r.pages) eng.allocator().release(p);
+    }
     cache.abort_turn(id);
     throw;
   }
@@ -106,13 +121,15 @@ inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cac
 
 /// Ends the turn of request `seq` of conversation `id`: the cache keeps the K/V of its
 /// processed tokens (the pending last generated token is the next turn's first new
-/// token), then the request is freed. The sequence must cache every processed token.
+/// token), then the request is freed. A sequence that caches fewer than its processed
+/// tokens (compressed) is suspended as a compressed conversation. With a `keeper`, its
+/// state of `seq` is stored with the conversation for the next start_turn.
 inline void finish_turn(Engine& eng, conversation::ConversationCache<float>& cache,
-                        const std::string& id, SeqId seq) {
-  KVKIT_CHECK(eng.kv_len(seq) == eng.position(seq), "kvkit: finish_turn: sequence ", seq, " caches ",
-              eng.kv_len(seq), " of its ", eng.position(seq), " processed tokens");
+                        const std::string& id, SeqId seq, const SequenceStateKeeper* keeper = nullptr) {
   const std::vector<std::int32_t> done = eng.processed_tokens(seq);
-  cache.suspend(id, done, eng.pages(seq));
+  const std::vector<std::int32_t>& pages = eng.pages(seq);
+  cache.suspend(id, done.data(), done.size(), static_cast<std::size_t>(eng.kv_len(seq)), pages.data(),
+                pages.size(), keeper != nullptr ? keeper->save_sequence(seq) : std::any());
   eng.free_sequence(seq);
 }
 

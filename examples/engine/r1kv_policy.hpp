@@ -29,6 +29,14 @@
 // budget as soon as its window is full, instead of waiting for budget + buffer (the
 // "prefill compression" option of the spec).
 //
+// Suspend / resume (SequenceStateKeeper): a conversation resumed as a new sequence
+// (Engine::add_sequence with cached_len < position, conversation_host.hpp) would start with
+// an empty query window and a zero drop count. save_sequence() copies the sequence's state
+// (window ring, drop count, prompt flags) and restore_sequence() gives it to the new
+// sequence before its first step, so it compresses exactly when, and keeps exactly what,
+// an uninterrupted sequence would. The window is host memory outside the KV pools
+// (layers x window x Hq x D floats per suspended conversation).
+//
 // Run path: no allocation after a sequence's first step (its query window is allocated
 // then); the workspaces (select's for the model's largest S, compact_tokens') and the
 // keep lists are sized once in attach(). Failures inside the hook (out of pages in
@@ -46,6 +54,7 @@
 
 #include "engine/engine.hpp"
 #include "engine/policy.hpp"
+#include "engine/sequence_state.hpp"
 #include "kvkit/compressor/r1kv.hpp"
 #include "kvkit/compressor/scorers.hpp"
 #include "kvkit/kernels/cpu/gather.hpp"
@@ -76,7 +85,7 @@ struct CompressorPolicyCounters {
 
 /// The Compressor<Scorer> as an EnginePolicy (see the file comment). One object per engine.
 template <class Scorer>
-class CompressorPolicy : public EnginePolicy {
+class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
  public:
   /// Validates the options (kvkit::Error naming the bad value).
   explicit CompressorPolicy(const CompressorPolicyOptions& o) : opt_(o), comp_(o.params) {}
@@ -111,6 +120,7 @@ class CompressorPolicy : public EnginePolicy {
     keep_.assign(static_cast<std::size_t>(layers_) * hkv_ * p.budget, 0);
     qwin_.assign(static_cast<std::size_t>(hq_) * p.window * dim_, 0.f);
     rewrite_.reserve(static_cast<std::size_t>(p.budget / g.page_size + 2));
+    before_.reserve(static_cast<std::size_t>(c.seq_len / g.page_size + 2));
     eng.add_step_hook([this](Engine& e, const StepInfo& info) { on_step(e, info); });
   }
 
@@ -125,6 +135,27 @@ class CompressorPolicy : public EnginePolicy {
   }
 
   const CompressorPolicyCounters& counters() const { return n_; }
+
+  /// The state of sequence `seq` (see the file comment); empty before its first step.
+  std::any save_sequence(SeqId seq) const override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return {};
+    return Saved{this, it->second};
+  }
+  /// Gives `seq` (no step run yet) the state save_sequence() returned for the sequence it
+  /// continues. Throws kvkit::Error naming the sequence for another policy's state or a
+  /// sequence that already ran a step.
+  void restore_sequence(SeqId seq, const std::any& state) override {
+    if (!state.has_value()) return;
+    const Saved* s = std::any_cast<Saved>(&state);
+    KVKIT_CHECK(s != nullptr && s->owner == this, "kvkit: ", name(), ": restore_sequence of sequence ",
+                seq, " with a state this policy did not save");
+    KVKIT_CHECK(eng_ != nullptr && eng_->has_sequence(seq), "kvkit: ", name(),
+                ": restore_sequence of sequence ", seq, " which is not live in the attached engine");
+    KVKIT_CHECK(seqs_.count(seq) == 0, "kvkit: ", name(), ": restore_sequence of sequence ", seq,
+                " which already ran a step");
+    seqs_.emplace(seq, s->state);
+  }
   const compressor::Compressor<Scorer>& compressor() const { return comp_; }
   /// Tokens of sequence `id` evicted so far (its position minus its kv_len, for a
   /// sequence that had all its tokens cached before); 0 for an unknown id.
@@ -145,6 +176,11 @@ class CompressorPolicy : public EnginePolicy {
     std::int64_t dropped = 0;
     bool prompt_seen_done = false;  // the prompt-done check ran
     bool prompt_due = false;        // compress_prompt: waiting for a full window
+  };
+  // What save_sequence() hands out (owner: the policy that saved it).
+  struct Saved {
+    const CompressorPolicy* owner = nullptr;
+    SeqState state;
   };
 
   void on_step(Engine& eng, const StepInfo& info) {
@@ -251,11 +287,15 @@ class CompressorPolicy : public EnginePolicy {
             break;
           }
     }
-    // 2. Own every page before rewriting (never change a page another sequence reads).
-    const std::int32_t in_use = eng.pages_in_use();
+    // 2. Own every page before rewriting (never change a page another sequence reads). The
+    // copies are the pages whose id changed (not the pages_in_use delta: the reclaim
+    // callback may free pages meanwhile).
+    before_.assign(eng.pages(id).begin(), eng.pages(id).end());
     eng.make_exclusive(id);
     KVKIT_CHECK(eng.has_sequence(id), "kvkit: sequence ", id, " was freed while made exclusive");
-    n_.pages_copied += eng.pages_in_use() - in_use;
+    const std::vector<std::int32_t>& owned = eng.pages(id);
+    for (std::size_t i = 0; i < std::min(before_.size(), owned.size()); ++i)
+      n_.pages_copied += owned[i] != before_[i] ? 1 : 0;
     // 3. Compact each layer inside the sequence's own pages.
     for (std::int32_t l = 0; l < layers_; ++l) {
       const PagedKVView<float> v = seq_view(eng, id, l);
@@ -294,6 +334,7 @@ class CompressorPolicy : public EnginePolicy {
   std::vector<std::int32_t> keep_;        // [layers, Hkv, budget] kept slots of the last compression
   std::vector<float> qwin_;               // [Hq, window, D] one layer's window, oldest first
   std::vector<std::int32_t> rewrite_;     // pages passed to notify_rewrite
+  std::vector<std::int32_t> before_;      // the compressed sequence's pages before make_exclusive
   std::int32_t indptr_[2] = {0, 0};
   std::int32_t last_len_ = 0;
   SeqId last_id_ = -1;

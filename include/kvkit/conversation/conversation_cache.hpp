@@ -53,6 +53,30 @@
 // one per indexed page plus one per holder of a page outside the index (the partial last
 // page). reclaim prefers, in LRU order, a conversation whose eviction releases pages.
 //
+// Compressed conversations: a turn whose sequence was compressed (a policy such as R1KV
+// dropped tokens, so only kv_len < n of its n processed tokens keep K/V) is suspended with
+// the kv_len overload of suspend(). Its pages then hold the K/V of a *subset* of its
+// tokens, compacted to slots 0..kv_len-1, not a token prefix, so the cache records the
+// position (n, all processed tokens) apart from the cached length, and:
+//  - resume continues it only when the prompt extends its whole token history by at least
+//    one token (the usual chat turn: history + new user tokens): all its pages are handed
+//    over with cached_len = kv_len and Resume::position = n (Engine::add_sequence's
+//    four-argument form). Any other prompt (an edit, a truncation, the history alone) is a
+//    miss: every page is released and the turn recomputes from token 0. No prefix of a
+//    compressed cache is "the K/V of those tokens", so there is no partial reuse;
+//  - its pages are never indexed for share_prefixes nor spilled to the BlockStore (both
+//    name a page by the hash of the token prefix it would hold: a compressed page does not
+//    hold that prefix, so sharing or restoring it would hand out wrong K/V). Evicting a
+//    compressed conversation just drops it (its resume recomputes everything), and
+//    trim_under_pressure evicts it whole (a cut compressed cache is not what the policy
+//    would have kept);
+//  - the host may store state of its own with a suspended conversation (suspend's
+//    `state`, e.g. the compressor's window of recent queries, which the next compression
+//    needs exactly as an uninterrupted run would have it). The cache hands it back
+//    (Resume::state) only on a resume that continues the whole history, and drops it with
+//    the pages otherwise (miss, divergence, eviction, trimming, end); forks copy it. It
+//    does not count against page_budget. Uncompressed conversations may carry state too.
+//
 // The cache talks to the engine only through PageHost (allocate, retain, release,
 // refcount, copy, per-layer pool views for the store), so it depends on no engine. The
 // clock is injectable (seconds, monotonic). Not thread-safe: one per engine thread.
@@ -61,6 +85,7 @@
 // the value, before any page reference changes.
 
 #include <algorithm>
+#include <any>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -160,6 +185,10 @@ struct Metrics {
                                          // conversation took from the prefix index
   std::uint64_t shared_tokens = 0;       // tokens those pages cover
   std::uint64_t unused_pages_freed = 0;  // unused indexed pages released to the host
+  std::uint64_t compressed_hits = 0;     // resumes that continued a compressed conversation
+  std::uint64_t compressed_misses = 0;   // resumes of a compressed conversation (in memory)
+                                         // whose prompt did not extend its history: recomputed
+  std::uint64_t compressed_evictions = 0;  // compressed conversations evicted (dropped, never spilled)
   double hit_rate() const { return resumes == 0 ? 0.0 : static_cast<double>(hits) / resumes; }
   /// Prompt tokens that needed no prefill thanks to the cache (memory + store).
   std::uint64_t prefill_tokens_avoided() const { return tokens_reused + tokens_restored; }
@@ -170,8 +199,13 @@ struct Resume {
   std::vector<std::int32_t> pages;   // ceil(cached_len / page_size) pages; one reference each
                                      // now belongs to the caller (add_sequence takes them)
   std::int32_t cached_len = 0;       // leading prompt tokens whose K/V those pages hold
+                                     // (compressed: kept tokens of the first `position`)
+  std::int32_t position = 0;         // leading prompt tokens already processed: cached_len,
+                                     // or more when a compressed conversation continues
   std::int32_t restored_tokens = 0;  // of cached_len, how many came back from the store
   std::int32_t turn = 0;             // turn number of this request (0 = first)
+  std::any state;                    // the host state suspend() stored, when this resume
+                                     // continues the whole history (else empty)
 };
 
 /// Seconds on a monotonic clock.
@@ -256,6 +290,7 @@ class ConversationCache {
     }
     lend(c, r.pages);
     r.cached_len = static_cast<std::int32_t>(r.pages.size()) * ps_;
+    r.position = r.cached_len;
     m_.shared_pages += r.pages.size();
     m_.shared_tokens += static_cast<std::uint64_t>(r.cached_len);
     return r;
@@ -271,6 +306,10 @@ class ConversationCache {
                 std::size_t n) {
     Conv& c = check_resume(id, n);
     KVKIT_CHECK(prompt != nullptr, "kvkit: resume of conversation '", id, "': null prompt");
+    if (c.compressed) {  // all or nothing: the prompt must extend the whole history
+      const bool extends = n > c.tokens.size() && std::equal(c.tokens.begin(), c.tokens.end(), prompt);
+      return finish_resume(c, extends ? c.tokens.size() : 0, n);
+    }
     const std::size_t limit = std::min(c.tokens.size(), n - 1);  // feed at least one token
     const std::size_t common = static_cast<std::size_t>(
         std::mismatch(c.tokens.begin(), c.tokens.begin() + static_cast<std::ptrdiff_t>(limit), prompt).first -
@@ -283,6 +322,7 @@ class ConversationCache {
   /// does): no token comparison, so the cost does not grow with the history.
   Resume resume_extending(const std::string& id, std::size_t n) {
     Conv& c = check_resume(id, n);
+    if (c.compressed) return finish_resume(c, n > c.tokens.size() ? c.tokens.size() : 0, n);
     return finish_resume(c, std::min(c.tokens.size(), n - 1), n);
   }
   Resume resume(const std::string& id, const std::vector<std::int32_t>& prompt) {
@@ -297,12 +337,30 @@ class ConversationCache {
   void suspend(const std::string& id, const std::int32_t* tokens,  // [n]
                std::size_t n, const std::int32_t* pages,              // [npages]
                std::size_t npages) {
+    suspend(id, tokens, n, n, pages, npages);
+  }
+  void suspend(const std::string& id, const std::vector<std::int32_t>& tokens,
+               const std::vector<std::int32_t>& pages) {
+    suspend(id, tokens.data(), tokens.size(), pages.data(), pages.size());
+  }
+
+  /// suspend() for a turn that processed `tokens[0, n)` but whose pages hold K/V of only
+  /// `kv_len` <= n of them (ceil(kv_len / page_size) pages): kv_len < n is a compressed
+  /// conversation (see the file comment: resumable only by a prompt extending all n
+  /// tokens, never shared nor spilled). `state` (optional) is the host's own state of the
+  /// turn, handed back by the resume that continues it (Resume::state). Throws as suspend()
+  /// does, and for kv_len > n.
+  void suspend(const std::string& id, const std::int32_t* tokens,  // [n]
+               std::size_t n, std::size_t kv_len, const std::int32_t* pages,  // [npages]
+               std::size_t npages, std::any state = {}) {
     Conv& c = live(id, "suspend");
     KVKIT_CHECK(c.state == State::kRunning, "kvkit: suspend of conversation '", id, "' which is ",
                 to_string(c.state), ", not running");
-    const std::size_t need = (n + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
+    KVKIT_CHECK(kv_len <= n, "kvkit: suspend of conversation '", id, "': kv_len ", kv_len,
+                " exceeds its ", n, " processed tokens");
+    const std::size_t need = (kv_len + static_cast<std::size_t>(ps_) - 1) / static_cast<std::size_t>(ps_);
     KVKIT_CHECK(npages == need, "kvkit: suspend of conversation '", id, "': ", npages, " pages for ",
-                n, " tokens of page size ", ps_, ", expected ", need);
+                kv_len, " tokens of page size ", ps_, ", expected ", need);
     KVKIT_CHECK(n == 0 || tokens != nullptr, "kvkit: suspend of conversation '", id, "': null tokens");
     KVKIT_CHECK(p_.page_budget == 0 || npages <= static_cast<std::size_t>(p_.page_budget),
                 "kvkit: conversation '", id, "' needs ", npages, " pages, more than the page budget ",
@@ -313,6 +371,9 @@ class ConversationCache {
     for (std::size_t i = 0; i < npages; ++i) host_->retain(pages[i]);
     c.pages.assign(pages, pages + npages);
     c.tokens.assign(tokens, tokens + n);
+    c.compressed = kv_len < n;
+    c.kv_len = kv_len;
+    c.host_state = std::move(state);
     c.n_private = static_cast<std::int32_t>(npages);
     if (p_.share_prefixes) index_pages(c);
     private_refs_ += c.n_private;
@@ -322,10 +383,6 @@ class ConversationCache {
     lru_push(id, c);
     evict_idle();
     enforce_limits(&c);
-  }
-  void suspend(const std::string& id, const std::vector<std::int32_t>& tokens,
-               const std::vector<std::int32_t>& pages) {
-    suspend(id, tokens.data(), tokens.size(), pages.data(), pages.size());
   }
 
   /// The running turn of `id` failed before it could be suspended: the conversation keeps
@@ -337,6 +394,7 @@ class ConversationCache {
                 to_string(c.state), ", not running");
     unlend(c, false);
     c.chain.clear();
+    c.host_state.reset();
     c.state = State::kEvicted;
     --running_;
   }
@@ -363,7 +421,7 @@ class ConversationCache {
     KVKIT_CHECK(s.state == State::kSuspended, "kvkit: fork of conversation '", src, "' which is ",
                 to_string(s.state), " (resume it first)");
     KVKIT_CHECK(convs_.count(dst) == 0, "kvkit: fork target '", dst, "' already exists");
-    const bool copy = p_.fork_copies_partial_page && s.tokens.size() % static_cast<std::size_t>(ps_) != 0;
+    const bool copy = p_.fork_copies_partial_page && cached_tokens(s) % static_cast<std::size_t>(ps_) != 0;
     std::int32_t fresh = -1;
     if (copy) {
       fresh = host_->try_allocate();
@@ -375,6 +433,9 @@ class ConversationCache {
     d.tokens = s.tokens;
     d.pages = s.pages;
     d.chain = s.chain;
+    d.compressed = s.compressed;
+    d.kv_len = s.kv_len;
+    d.host_state = s.host_state;
     d.n_private = s.n_private;  // a copied partial page replaces a private one
     d.turn = s.turn;
     d.last = clock_();
@@ -415,7 +476,13 @@ class ConversationCache {
         continue;
       }
       // Tail first: the remaining prefix ends on a full page, still valid to resume from.
+      // A compressed cache has no such prefix: it goes whole.
       Conv& c = convs_.at(lru_.front());
+      if (c.compressed) {
+        freed += evict_conv(lru_.front(), EvictReason::kPressure);
+        continue;
+      }
+      c.host_state.reset();  // it described the whole history
       while (freed < n_pages && !c.pages.empty()) {
         const std::int32_t f = release_back(c, true);
         c.tokens.resize(std::min(c.tokens.size(), c.pages.size() * static_cast<std::size_t>(ps_)));
@@ -466,8 +533,15 @@ class ConversationCache {
   double last_activity(const std::string& id) const { return clive(id).last; }
   /// Token ids whose K/V the cache holds (suspended) or saved (spilled); with
   /// share_prefixes also those of an evicted conversation (its resume looks their full
-  /// pages up in the prefix index).
+  /// pages up in the prefix index). Compressed: all processed tokens (the position), of
+  /// which the pages hold cached_len(id).
   const std::vector<std::int32_t>& tokens(const std::string& id) const { return clive(id).tokens; }
+  /// Whether suspended `id` is compressed (its pages hold K/V of only cached_len(id) of
+  /// its tokens(id); see the file comment).
+  bool compressed(const std::string& id) const { return clive(id).compressed; }
+  /// Tokens whose K/V the pages of suspended `id` hold: tokens(id).size(), or fewer when
+  /// compressed.
+  std::size_t cached_len(const std::string& id) const { return cached_tokens(clive(id)); }
   /// Pages the cache holds for `id` (empty unless suspended).
   const std::vector<std::int32_t>& pages(const std::string& id) const { return clive(id).pages; }
   /// Running + suspended conversations.
@@ -513,6 +587,9 @@ class ConversationCache {
     std::vector<std::int32_t> lent;    // share_prefixes, running: indexed pages the request took
                                        // from the cache (they count this conversation as holder)
     std::int32_t n_private = 0;        // pages of `pages` outside the index
+    bool compressed = false;           // suspended with kv_len < tokens.size() (see file comment)
+    std::size_t kv_len = 0;            // compressed: tokens whose K/V `pages` hold
+    std::any host_state;               // suspend()'s state, until a resume takes it
     std::int32_t turn = 0;
     double last = 0.0;
     bool in_lru = false;
@@ -526,6 +603,8 @@ class ConversationCache {
     std::list<std::int32_t>::iterator it;
   };
 
+  static std::size_t cached_tokens(const Conv& c) { return c.compressed ? c.kv_len : c.tokens.size(); }
+
   Conv& check_resume(const std::string& id, std::size_t n) {
     Conv& c = live(id, "resume");
     KVKIT_CHECK(c.state != State::kRunning, "kvkit: resume of conversation '", id,
@@ -536,7 +615,8 @@ class ConversationCache {
 
   // The cached tokens [0, common) match the prompt of n tokens: keep their pages (suspended)
   // or find them in the index / restore them (evicted, spilled), release the rest, hand the
-  // kept references to the request.
+  // kept references to the request. A compressed conversation comes with common = all its
+  // tokens (continued: every page kept) or 0 (miss: every page released).
   Resume finish_resume(Conv& c, std::size_t common, std::size_t n) {
     // Idle conversations go first, this one excepted (it is about to be used).
     lru_remove(c);
@@ -545,9 +625,17 @@ class ConversationCache {
     const std::size_t ps = static_cast<std::size_t>(ps_);
     std::size_t shared = 0;  // tokens on pages taken from the index
     m_.tokens_released += c.tokens.size() - std::min(c.tokens.size(), common);
+    const bool whole = c.state == State::kSuspended && common == c.tokens.size();
+    std::size_t cached = common;  // tokens whose K/V the handed pages hold
+    if (c.compressed) {
+      cached = whole ? c.kv_len : 0;
+      ++(whole ? m_.compressed_hits : m_.compressed_misses);
+    }
+    if (whole) r.state = std::move(c.host_state);
+    c.host_state.reset();
     if (c.state == State::kSuspended) {
-      // Keep ceil(common / ps) pages; release the rest (divergence or the n - 1 cap).
-      const std::size_t keep = (common + ps - 1) / ps;
+      // Keep ceil(cached / ps) pages; release the rest (divergence or the n - 1 cap).
+      const std::size_t keep = (cached + ps - 1) / ps;
       while (c.pages.size() > keep) release_back(c, false);
       private_refs_ -= c.n_private;  // references move to the request
       c.n_private = 0;
@@ -572,6 +660,7 @@ class ConversationCache {
       } else {
         common = shared;
       }
+      cached = common;
       r.pages = std::move(got);
     }
     if (p_.share_prefixes) {
@@ -582,7 +671,10 @@ class ConversationCache {
     }
     c.tokens.clear();
     c.hashes.clear();
-    r.cached_len = static_cast<std::int32_t>(common);
+    c.compressed = false;
+    c.kv_len = 0;
+    r.cached_len = static_cast<std::int32_t>(cached);
+    r.position = static_cast<std::int32_t>(common);
     r.turn = ++c.turn;
     c.state = State::kRunning;
     c.last = clock_();
@@ -659,10 +751,12 @@ class ConversationCache {
   // page it holds (so a page of c is indexed exactly when c counts as its holder) and indexes the full pages whose content is not indexed yet. A page stays private
   // when its twin is already indexed, or when anyone but the request and c holds it (a
   // fork sibling's private page: indexing it would miss that holder). Then c's pages lent
-  // to the request are given back.
+  // to the request are given back. A compressed c indexes nothing (its pages do not hold
+  // its token prefix) and has no chain; it still counts as a holder of an indexed page its
+  // request kept unchanged.
   void index_pages(Conv& c) {
     const std::size_t ps = static_cast<std::size_t>(ps_);
-    const std::size_t full = c.tokens.size() / ps;
+    const std::size_t full = c.compressed ? 0 : c.tokens.size() / ps;
     if (c.chain.size() > full) c.chain.resize(full);
     BlockHash prev = c.chain.empty() ? BlockHash::root() : c.chain.back();
     for (std::size_t i = c.chain.size(); i < full; ++i) {
@@ -765,7 +859,15 @@ class ConversationCache {
     Conv& c = convs_.at(id);
     lru_remove(c);
     c.state = State::kEvicted;
-    if (p_.spill) spill(c);
+    c.host_state.reset();
+    if (c.compressed) {  // never spilled nor looked up by prefix (see the file comment)
+      c.compressed = false;
+      c.kv_len = 0;
+      c.tokens.clear();
+      c.chain.clear();
+      ++m_.compressed_evictions;
+    }
+    if (p_.spill && !c.tokens.empty()) spill(c);
     if (c.state == State::kEvicted && !p_.share_prefixes) c.tokens.clear();
     c.chain.resize(std::min(c.chain.size(), c.tokens.size() / static_cast<std::size_t>(ps_)));
     // Pressure, budget and max_active keep the unused indexed pages queued for reuse until
