@@ -5,7 +5,6 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
@@ -15,21 +14,11 @@
 #include "engine/checkpoint.hpp"
 #include "engine/conversation_host.hpp"
 #include "engine/engine.hpp"
+#include "engine_runs.hpp"  // stories_or_synthetic
 #include "kvkit/store/block_store.hpp"
 
 namespace kvkit {
 namespace test {
-
-inline std::shared_ptr<const engine::Checkpoint> stories_or_synthetic(std::string* name) {
-  const std::string path = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
-  if (std::filesystem::exists(path)) {
-    *name = "stories260K";
-    return std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(path));
-  }
-  WARN("stories260K: no model file " << path << "; using the synthetic checkpoint");
-  *name = "synthetic";
-  return std::make_shared<const engine::Checkpoint>(engine::default_synthetic_checkpoint());
-}
 
 inline std::vector<std::int32_t> random_tokens(std::size_t n, std::int32_t vocab, std::mt19937_64& rng) {
   std::uniform_int_distribution<std::int32_t> d(3, vocab - 1);

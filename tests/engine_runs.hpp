@@ -17,18 +17,23 @@ namespace kvkit {
 namespace test {
 
 /// stories260K when KVKIT_MODEL_DIR holds it, else the synthetic checkpoint of the same
-/// shape (a WARN says so); loaded once per test binary.
-inline std::shared_ptr<const engine::Checkpoint> stories_or_synthetic() {
+/// shape (a WARN says so); loaded once per test binary. `name` (optional) receives
+/// "stories260K" or "synthetic".
+inline std::shared_ptr<const engine::Checkpoint> stories_or_synthetic(std::string* name = nullptr) {
   static std::shared_ptr<const engine::Checkpoint> ck;
+  static std::string which;
   if (!ck) {
     const std::string path = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
     if (std::filesystem::exists(path)) {
       ck = std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(path));
+      which = "stories260K";
     } else {
       WARN("no model file " << path << ": running on the synthetic checkpoint");
       ck = std::make_shared<const engine::Checkpoint>(engine::default_synthetic_checkpoint());
+      which = "synthetic";
     }
   }
+  if (name != nullptr) *name = which;
   return ck;
 }
 

@@ -14,7 +14,9 @@
 //    from token 0 and decodes what a fresh run decodes;
 //  - share_prefixes never indexes a compressed conversation's pages; a BlockStore spill
 //    stores nothing for it and its resume recomputes; trim_under_pressure drops it whole;
-//  - bad input throws kvkit::Error naming the value, changing nothing.
+//  - bad input throws kvkit::Error naming the value, changing nothing;
+//  - a CompositePolicy (r1kv+eps) as the keeper carries its R1KV part's window: the same
+//    bit-for-bit comparison with EPS choosing the pages every step.
 // Runs on stories260K when present, else on the synthetic checkpoint (a WARN says so).
 
 #include <catch2/catch.hpp>
@@ -27,6 +29,8 @@
 #include <vector>
 
 #include "conversation_fixture.hpp"
+#include "engine/composite_policy.hpp"
+#include "engine/eps_policy.hpp"
 #include "engine/r1kv_policy.hpp"
 #include "kvkit/conversation/conversation_cache.hpp"
 #include "kvkit/store/block_store.hpp"
@@ -450,4 +454,68 @@ TEST_CASE("compressed suspend and policy state restore reject bad input, naming 
   CHECK_THROWS_WITH(rig.policy.restore_sequence(s + 7, mine),
                     Catch::Contains("restore_sequence of sequence " + std::to_string(s + 7) +
                                     " which is not live in the attached engine"));
+}
+
+TEST_CASE("a composite policy (r1kv+eps) carries its parts' state across suspend and resume",
+          "[conversation][compressed][compose]") {
+  KVKIT_TEST_RNG(rng);
+  std::string name;
+  auto ck = kvkit::test::stories_or_synthetic(&name);
+  INFO(name);
+  auto composite = [] {
+    std::vector<std::unique_ptr<EnginePolicy>> parts;
+    parts.push_back(std::make_unique<R1KVPolicy>(r1kv_options()));
+    sketch::SketchParams p;
+    p.eps = 1e-2;
+    parts.push_back(std::make_unique<EpsPolicy>(p));
+    return std::make_unique<CompositePolicy>(std::move(parts));
+  };
+  const std::vector<std::int32_t> first = [&] {
+    std::vector<std::int32_t> f{kBosToken};
+    const auto u = random_tokens(static_cast<std::size_t>(kUser[0]), ck->config().vocab_size, rng);
+    f.insert(f.end(), u.begin(), u.end());
+    return f;
+  }();
+  std::vector<std::vector<std::int32_t>> user;
+  for (int t = 1; t < 4; ++t)
+    user.push_back(random_tokens(static_cast<std::size_t>(kUser[t]), ck->config().vocab_size, rng));
+
+  Engine ref(ck, options());
+  auto ref_pol = composite();
+  ref_pol->attach(ref);
+  const SeqId rs = ref.add_sequence(first);
+  std::vector<TurnOut> want;
+  for (int t = 0; t < 4; ++t) {
+    if (t > 0) ref.append_tokens(rs, user[static_cast<std::size_t>(t - 1)]);
+    want.push_back(decode_turn(ref, rs, kReply[t], false));
+  }
+
+  Engine eng(ck, options());
+  auto pol = composite();
+  pol->attach(eng);
+  EngineConversationHost host(eng);
+  ConversationCache<float> cache(host, Params{});
+  std::vector<std::int32_t> prompt = first;
+  for (int t = 0; t < 4; ++t) {
+    INFO("turn " << t);
+    Resume r;
+    const SeqId s = start_turn(eng, cache, "c", prompt, &r, pol.get());
+    CHECK(r.state.has_value() == (t > 0));
+    require_same(decode_turn(eng, s, kReply[t], false), want[static_cast<std::size_t>(t)]);
+    prompt = eng.tokens(s);
+    if (t < 3) prompt.insert(prompt.end(), user[static_cast<std::size_t>(t)].begin(), user[static_cast<std::size_t>(t)].end());
+    REQUIRE(eng.kv_len(s) < eng.position(s));
+    finish_turn(eng, cache, "c", s, pol.get());
+  }
+  const auto& rr = dynamic_cast<const R1KVPolicy&>(ref_pol->part(0));
+  const auto& rp = dynamic_cast<const R1KVPolicy&>(pol->part(0));
+  CHECK(rp.counters().compressions == rr.counters().compressions);
+  CHECK(rp.counters().deferred_steps == 0);
+  CHECK(dynamic_cast<const EpsPolicy&>(pol->part(1)).telemetry().certified_omitted_max <= 1e-2 * (1 + 1e-9));
+  // A state the composite did not save is refused, naming the policy.
+  const SeqId other = eng.add_sequence({kBosToken, 5});
+  CHECK_THROWS_WITH(pol->restore_sequence(other, std::any(42)), Catch::Contains("r1kv+eps cannot restore sequence"));
+  eng.free_sequence(other);
+  cache.end("c");
+  CHECK(eng.pages_in_use() == 0);
 }

@@ -14,7 +14,11 @@
 // kvchan policy moves old tokens to its packed pool; each keeps per-sequence bookkeeping
 // the other would silently break). Combinations that need both twice throw kvkit::Error
 // naming the two policies.
+//
+// A composite is a SequenceStateKeeper for the parts that are (the Compressor's query
+// window), so a ConversationCache host resumes a conversation with every part's state.
 
+#include <any>
 #include <memory>
 #include <set>
 #include <string>
@@ -23,12 +27,13 @@
 
 #include "engine/engine.hpp"
 #include "engine/policy.hpp"
+#include "engine/sequence_state.hpp"
 #include "kvkit/core/error.hpp"
 
 namespace kvkit {
 namespace engine {
 
-class CompositePolicy : public EnginePolicy {
+class CompositePolicy : public EnginePolicy, public SequenceStateKeeper {
  public:
   /// Takes at least two policies with distinct names; throws kvkit::Error naming the
   /// conflict when two of them replace the attention call or move tokens.
@@ -92,11 +97,41 @@ class CompositePolicy : public EnginePolicy {
     return r;
   }
 
+  /// The state of every part that keeps one (in attach order); empty when none has any.
+  std::any save_sequence(SeqId seq) const override {
+    States s;
+    bool any = false;
+    for (const auto& p : parts_)
+      if (const auto* k = dynamic_cast<const SequenceStateKeeper*>(p.get())) {
+        s.parts.push_back(k->save_sequence(seq));
+        any = any || s.parts.back().has_value();
+      }
+    return any ? std::any(std::move(s)) : std::any();
+  }
+  /// Hands each keeping part its own saved state; throws kvkit::Error for a state this
+  /// composite did not save.
+  void restore_sequence(SeqId seq, const std::any& state) override {
+    if (!state.has_value()) return;
+    const States* s = std::any_cast<States>(&state);
+    KVKIT_CHECK(s != nullptr, "kvkit: policy ", name(), " cannot restore sequence ", seq,
+                " from a state it did not save");
+    std::size_t i = 0;
+    for (const auto& p : parts_)
+      if (auto* k = dynamic_cast<SequenceStateKeeper*>(p.get())) {
+        KVKIT_CHECK(i < s->parts.size(), "kvkit: policy ", name(), " got a state of ", s->parts.size(),
+                    " parts for sequence ", seq);
+        k->restore_sequence(seq, s->parts[i++]);
+      }
+  }
+
   /// Part i, in attach order.
   EnginePolicy& part(std::size_t i) const { return *parts_.at(i); }
   std::size_t size() const { return parts_.size(); }
 
  private:
+  struct States {
+    std::vector<std::any> parts;  // one per keeping part, in attach order
+  };
   std::vector<std::unique_ptr<EnginePolicy>> parts_;
   bool attached_ = false;
 };
