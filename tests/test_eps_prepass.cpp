@@ -2,7 +2,8 @@
 // group_bounds bit for bit and bound the float64 formula within their derived slack; the
 // partial-selection ε walk returns exactly what a straightforward full sort of the same
 // rule returns (random bounds with many ties, random caps, scoring budgets); select()
-// allocates nothing.
+// allocates nothing; a store keeping only its method's summaries selects exactly the
+// pages the full store selects, with fewer bytes.
 
 #include <catch2/catch.hpp>
 
@@ -305,4 +306,63 @@ TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound cer
         }
     }
   }
+}
+
+TEST_CASE("eps prepass: a store keeping only its method's summaries selects the same pages with fewer bytes",
+          "[eps]") {
+  KVKIT_TEST_RNG(rng);
+  PoolSpec spec;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 32;
+  spec.page_size = 8;
+  spec.seq_lens = {900, 333};
+  RandomPool<float> pool(spec, rng);
+  const std::int32_t Hq = 6, d = 32;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (std::int32_t b = 0; b < 2; ++b)  // pages of different scales, so bounds prune
+    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
+      const float sc = std::exp(nd(rng));
+      for (std::int32_t t = pg * 8; t < std::min(pool.view.seq_len(b), pg * 8 + 8); ++t)
+        for (std::int32_t h = 0; h < 2; ++h)
+          for (std::int32_t c = 0; c < d; ++c) pool.view.k_ptr(b, t, h)[c] *= sc;
+    }
+  std::vector<float> q(static_cast<std::size_t>(2 * Hq * d));
+  const sk::SketchMethod methods[] = {sk::SketchMethod::kBox, sk::SketchMethod::kJL, sk::SketchMethod::kOnePC,
+                                      sk::SketchMethod::kFD, sk::SketchMethod::kRotBox};
+  for (sk::SketchMethod m : methods)
+    for (bool strict : {true, false}) {
+      CAPTURE(sk::to_string(m), strict);
+      sk::SketchParams all;
+      all.method = m;
+      all.strict = strict;
+      all.eps = 5e-2;
+      sk::SketchParams lean = all;
+      lean.all_summaries = false;
+      sk::SketchStore sa(all, 1, 2, d, 8, pool.geometry.num_pages), sl(lean, 1, 2, d, 8, pool.geometry.num_pages);
+      sa.sync(0, pool.view);
+      sl.sync(0, pool.view);
+      // Bytes: the lean store counts only its parts, and holds only those floats.
+      const sk::SummaryParts kept = sl.parts();
+      CHECK(kept.jl == (m == sk::SketchMethod::kJL));
+      CHECK(kept.fd == (m == sk::SketchMethod::kFD || m == sk::SketchMethod::kOnePC));
+      CHECK(kept.one_pc == (m == sk::SketchMethod::kOnePC));
+      const sk::SummaryBytes sb = sk::summary_bytes(lean, d);
+      if (m == sk::SketchMethod::kBox) CHECK(sb.total() == 8 * d + 12);
+      CHECK(sl.memory_bytes() < sa.memory_bytes());
+      CHECK(sl.layout().floats < sa.layout().floats);
+      sk::SketchSelector xa(sa), xl(sl);
+      xa.reserve(2, Hq, 200);
+      xl.reserve(2, Hq, 200);
+      for (int round = 0; round < 6; ++round) {
+        for (float& x : q) x = 2.f * nd(rng);
+        sk::SketchTelemetry ta, tl;
+        REQUIRE(xa.select(0, pool.view, q.data(), Hq, 0.3f, &ta).is_ok());
+        REQUIRE(xl.select(0, pool.view, q.data(), Hq, 0.3f, &tl).is_ok());
+        REQUIRE(ta.pages_visited == tl.pages_visited);
+        for (std::int32_t i = 0; i <= 4; ++i) REQUIRE(xa.indptr()[i] == xl.indptr()[i]);
+        for (std::int32_t i = 0; i < xa.indptr()[4]; ++i) REQUIRE(xa.subset()[i] == xl.subset()[i]);
+        for (std::int32_t b = 0; b < 2; ++b)
+          for (std::int32_t hq = 0; hq < Hq; ++hq) REQUIRE(xa.omitted_bound(b, hq) == xl.omitted_bound(b, hq));
+      }
+    }
 }

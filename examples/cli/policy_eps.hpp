@@ -13,6 +13,8 @@
 //   --score-budget N     groups scored exactly per (sequence, query head) before the rest
 //                        up to the cap is read unscored (default 0: no limit)
 //   --jl-dim m, --fd-rows l, --alpha A   sketch sizes and the default-mode safety factor
+//   --summaries all|method  every summary of the seed (default) or only what --method
+//                        reads (SketchParams::all_summaries; the same pages, fewer bytes)
 // Stats: pages_total / pages_visited (summed over layers, kv heads and steps),
 // bytes_kv_read_est, prepass_ms, certified_omitted_max, summary_bytes.
 
@@ -33,13 +35,14 @@ inline PolicyEntry eps_policy_entry() {
     bool strict = false;
     double eps = 1e-3, alpha = 1.1;
     std::string method = "box";
+    std::string summaries = "all";
     std::int32_t group_pages = 1, last_n = 1, top_pages = 0, jl_dim = 8, fd_rows = 8, score_budget = 0;
   };
   auto o = std::make_shared<Opts>();
   PolicyEntry e;
   e.names = {"eps"};
   e.option_names = {"--strict", "--eps", "--method", "--group-pages", "--last-n",
-                    "--top-pages", "--jl-dim", "--fd-rows", "--alpha", "--score-budget"};
+                    "--top-pages", "--jl-dim", "--fd-rows", "--alpha", "--score-budget", "--summaries"};
   e.add_options = [o](CLI::App& g) {
     g.add_flag("--strict", o->strict, "eps: certified bounds only (omitted softmax mass <= --eps, guaranteed)");
     g.add_option("--eps", o->eps, "eps: omitted softmax mass budget in (0, 1) (default 1e-3)");
@@ -50,6 +53,10 @@ inline PolicyEntry eps_policy_entry() {
     g.add_option("--jl-dim", o->jl_dim, "eps: JL sketch dimension m (default 8)");
     g.add_option("--fd-rows", o->fd_rows, "eps: Frequent Directions rows l (default 8)");
     g.add_option("--alpha", o->alpha, "eps: safety factor on jl/1pc estimates without --strict (default 1.1)");
+    g.add_option("--summaries", o->summaries,
+                 "eps: all (box, JL, FD, 1-PC, as the seed) or method (only what --method reads: less memory, "
+                 "same pages) (default all)")
+        ->check(CLI::IsMember({"all", "method"}));
     g.add_option("--score-budget", o->score_budget,
                  "eps: groups scored exactly per (sequence, query head); past it pages are read unscored (default 0: no limit)");
   };
@@ -66,6 +73,7 @@ inline PolicyEntry eps_policy_entry() {
     p.jl_dim = o->jl_dim;
     p.fd_rows = o->fd_rows;
     p.score_budget = o->score_budget;
+    p.all_summaries = o->summaries == "all";
     return std::make_unique<engine::EpsPolicy>(p, name);
   };
   return e;

@@ -144,6 +144,12 @@ struct SketchParams {
   std::uint64_t seed = 0x5eed5eedULL;  // Φ
   std::int32_t basis_keys = 64;  // kRotBox: tokens a layer's view must hold before its basis is fitted, >= 2
   std::vector<std::uint8_t> head_on;  // [num_layers * num_kv_heads] 0: read all pages; empty: all on
+  // true: every summary of the seed (box, scalars, JL, FD, 1-PC) whatever the method, so
+  // the methods can be compared on one store. false: only what `method` reads (box and
+  // scalars always, JL for jl, FD for fd and 1pc, the 1-PC for 1pc, the rotated box for
+  // rbox): less memory (box only: 8d + 12 bytes per kv head and group instead of
+  // ~(4l + 9)d + 4m² + 48) and less work per written key. Selections are the same.
+  bool all_summaries = true;
 
   void validate() const {
     KVKIT_CHECK(std::isfinite(eps) && eps > 0.0 && eps < 1.0, "kvkit: sketch eps must be in (0, 1), got ", eps);
@@ -158,6 +164,16 @@ struct SketchParams {
     KVKIT_CHECK(static_cast<int>(method) <= 4, "kvkit: unknown sketch method ", static_cast<int>(method));
   }
 };
+
+/// The FD / JL / 1-PC summaries a store keeps under params p (box and scalars always).
+struct SummaryParts {
+  bool jl = true, fd = true, one_pc = true;
+};
+inline SummaryParts summary_parts(const SketchParams& p) {
+  if (p.all_summaries) return {};
+  return {p.method == SketchMethod::kJL, p.method == SketchMethod::kFD || p.method == SketchMethod::kOnePC,
+          p.method == SketchMethod::kOnePC};
+}
 
 /// Summary bytes of one (layer, kv head, group), per component (seed §7/§17 formulas).
 /// `rot`: the rotated box of kRotBox (8d + 4 bytes; its basis, 4d² per (layer, kv head),
@@ -174,6 +190,15 @@ inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::in
   b.fd = 4LL * l * head_dim + 4LL * head_dim + 12;  // rows, centre, Δ, Σ‖k-c‖², rows used
   b.one_pc = head_dim + 12;
   b.rot = rot ? 8LL * head_dim + 4 : 0;
+  return b;
+}
+/// summary_bytes of the components a store with params p keeps (summary_parts).
+inline SummaryBytes summary_bytes(const SketchParams& p, std::int32_t head_dim) {
+  SummaryBytes b = summary_bytes(head_dim, p.jl_dim, p.fd_rows, p.method == SketchMethod::kRotBox);
+  const SummaryParts k = summary_parts(p);
+  if (!k.jl) b.jl = 0;
+  if (!k.fd) b.fd = 0;
+  if (!k.one_pc) b.one_pc = 0;
   return b;
 }
 
@@ -304,14 +329,31 @@ class SketchStore {
                 "kvkit: sketch head_on has ", p_.head_on.size(), " entries, expected layers x kv heads = ",
                 static_cast<std::int64_t>(num_layers) * num_kv_heads);
     cap_ = max_groups > 0 ? max_groups : num_pages;
+    parts_ = summary_parts(p_);
     const std::int32_t m = p_.jl_dim, l = p_.fd_rows;
     Layout& L = lay_;
+    // A part not kept has no floats (its offsets stay 0): no code reads or writes it
+    // (add_key, refresh_one_pc, group_bounds and select() check parts_).
     std::int32_t o = 0;
-    L.jl = o; o += m * m;
-    L.fd = o; o += l * d_;
-    L.center = o; o += d_;
-    L.sumsq = o++; L.delta = o++; L.fd_used = o++; L.csumsq = o++;
-    L.lambda1 = o++; L.resid = o++; L.u1_scale = o++;
+    L.sumsq = o++;
+    if (parts_.jl) {
+      L.jl = o;
+      o += m * m;
+    }
+    if (parts_.fd) {
+      L.fd = o;
+      o += l * d_;
+      L.center = o;
+      o += d_;
+      L.delta = o++;
+      L.fd_used = o++;
+      L.csumsq = o++;
+    }
+    if (parts_.one_pc) {
+      L.lambda1 = o++;
+      L.resid = o++;
+      L.u1_scale = o++;
+    }
     L.floats = o;
     const std::size_t recs = static_cast<std::size_t>(layers_) * cap_;
     data_.assign(recs * hkv_ * L.floats, 0.f);
@@ -319,7 +361,7 @@ class SketchStore {
     box_max_.assign(recs * hkv_ * d_, -std::numeric_limits<float>::infinity());
     max_norm_.assign(recs * hkv_, 0.f);
     amax_norm_.assign(recs * hkv_, 0.f);
-    u1_.assign(recs * hkv_ * d_, 0);
+    u1_.assign(parts_.one_pc ? recs * hkv_ * d_ : 0, 0);
     rec_pages_.assign(recs * p_.group_pages, -1);
     rec_versions_.assign(recs * p_.group_pages, 0);
     rec_count_.assign(recs, 0);
@@ -333,7 +375,7 @@ class SketchStore {
     }
     live_.assign(static_cast<std::size_t>(layers_), 0);
     // Φ per kv head: ±1 from a fixed-seed generator (the same for every run and machine).
-    phi_.assign(static_cast<std::size_t>(hkv_) * d_ * m, 0.f);
+    phi_.assign(parts_.jl ? static_cast<std::size_t>(hkv_) * d_ * m : 0, 0.f);
     std::mt19937_64 rng(p_.seed);
     for (float& x : phi_) x = (rng() >> 63) ? 1.f : -1.f;
     scratch_.assign(static_cast<std::size_t>(3 * d_ + 128 + 2 * l * l + l * d_ + l + m), 0.0);
@@ -358,6 +400,8 @@ class SketchStore {
   std::int32_t page_size() const { return page_size_; }
   std::int32_t num_pages() const { return num_pages_; }
   const Layout& layout() const { return lay_; }
+  /// The FD / JL / 1-PC summaries this store keeps (SketchParams::all_summaries).
+  const SummaryParts& parts() const { return parts_; }
   const float* phi(std::int32_t h) const { return phi_.data() + static_cast<std::size_t>(h) * d_ * p_.jl_dim; }
   bool head_on(std::int32_t layer, std::int32_t h) const {
     return p_.head_on.empty() || p_.head_on[static_cast<std::size_t>(layer) * hkv_ + h] != 0;
@@ -375,14 +419,15 @@ class SketchStore {
     for (std::int32_t ly = 0; ly < layers_; ++ly) drop(ly, page);
   }
 
-  /// Summary bytes in use: live records x kv heads x summary_bytes, plus Φ (1 byte an
-  /// entry), plus with kRotBox the fitted bases (4d² bytes per (layer, kv head)).
+  /// Summary bytes in use: live records x kv heads x summary_bytes of the kept parts,
+  /// plus Φ (1 byte an entry) when JL is kept, plus with kRotBox the fitted bases (4d²
+  /// bytes per (layer, kv head)).
   std::int64_t memory_bytes() const {
     std::int64_t recs = 0, bases = 0;
     for (std::int32_t n : live_) recs += n;
     for (std::uint8_t b : basis_set_) bases += b;
-    return recs * hkv_ * summary_bytes(d_, p_.jl_dim, p_.fd_rows, rotated()).total() +
-           static_cast<std::int64_t>(hkv_) * d_ * p_.jl_dim + bases * 4LL * d_ * d_;
+    return recs * hkv_ * summary_bytes(p_, d_).total() +
+           (parts_.jl ? static_cast<std::int64_t>(hkv_) * d_ * p_.jl_dim : 0) + bases * 4LL * d_ * d_;
   }
 
   /// True when this store keeps rotated boxes (method kRotBox).
@@ -546,7 +591,7 @@ class SketchStore {
             const T* k = view.k_ptr(b, j0 * page_size_ + t, h);
             add_key(layer, r, h, k, t == 0);
           }
-          refresh_one_pc(layer, r, h);
+          if (parts_.one_pc) refresh_one_pc(layer, r, h);
         }
         rec_count_[ri] = ntok;
       }
@@ -605,7 +650,7 @@ class SketchStore {
       reset(layer, r);
     }
     for (std::int32_t t = 0; t < n; ++t) add_key(layer, r, h, keys + t * stride, t == 0 && rec_count_[rec(layer, r)] == 0);
-    refresh_one_pc(layer, r, h);
+    if (parts_.one_pc) refresh_one_pc(layer, r, h);
     rec_count_[rec(layer, r)] = n;
     return r;
   }
@@ -659,8 +704,9 @@ class SketchStore {
                   rot_max_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_), -std::numeric_limits<float>::infinity());
         rot_amax_[hr] = std::numeric_limits<float>::infinity();
       }
-      std::fill(u1_.begin() + static_cast<std::ptrdiff_t>(hr * d_), u1_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_),
-                std::int8_t{0});
+      if (parts_.one_pc)
+        std::fill(u1_.begin() + static_cast<std::ptrdiff_t>(hr * d_),
+                  u1_.begin() + static_cast<std::ptrdiff_t>((hr + 1) * d_), std::int8_t{0});
     }
   }
 
@@ -691,13 +737,16 @@ class SketchStore {
     amax_norm_[hr] = detail::round_up_float(std::sqrt(an) * (1 + 1e-12));
     max_norm_[hr] = std::max(max_norm_[hr], detail::round_up_float(std::sqrt(nn)));
     if (rotated()) add_key_rotated(layer, h, hr, k, nn, first);
-    const float* ph = phi(h);
-    for (std::int32_t a = 0; a < m; ++a) y[a] = 0.0;
-    for (std::int32_t c = 0; c < d_; ++c)
-      for (std::int32_t a = 0; a < m; ++a) y[a] += k[c] * ph[c * m + a];
-    float* G = s + lay_.jl;
-    for (std::int32_t a = 0; a < m; ++a)
-      for (std::int32_t bb = 0; bb < m; ++bb) G[a * m + bb] += static_cast<float>(y[a] * y[bb]);
+    if (parts_.jl) {
+      const float* ph = phi(h);
+      for (std::int32_t a = 0; a < m; ++a) y[a] = 0.0;
+      for (std::int32_t c = 0; c < d_; ++c)
+        for (std::int32_t a = 0; a < m; ++a) y[a] += k[c] * ph[c * m + a];
+      float* G = s + lay_.jl;
+      for (std::int32_t a = 0; a < m; ++a)
+        for (std::int32_t bb = 0; bb < m; ++bb) G[a * m + bb] += static_cast<float>(y[a] * y[bb]);
+    }
+    if (!parts_.fd) return;
     // Frequent Directions over the keys centred on the group's first key c (removes the
     // common offset real keys share): append k - c; when all l rows are used, shrink.
     float* ctr = s + lay_.center;
@@ -840,7 +889,8 @@ class SketchStore {
   std::vector<float> box_min_, box_max_;    // [layers, Hkv, cap, d]
   std::vector<float> max_norm_;             // [layers, Hkv, cap]
   std::vector<float> amax_norm_;            // [layers, Hkv, cap] ‖max(|min|, |max|)‖
-  std::vector<std::int8_t> u1_;             // [layers, Hkv, cap, d]
+  std::vector<std::int8_t> u1_;             // [layers, Hkv, cap, d] (empty without the 1-PC)
+  SummaryParts parts_;
   std::vector<std::int32_t> rec_pages_;     // [layers, cap, g] physical pages of the group
   std::vector<std::uint32_t> rec_versions_; // [layers, cap, g] their versions when summarised
   std::vector<std::int32_t> rec_count_;     // [layers, cap] tokens summarised
@@ -1131,7 +1181,11 @@ inline GroupBounds group_bounds(const SketchStore& store, std::int32_t layer, st
   const SketchStore::Layout& L = store.layout();
   const std::int32_t d = store.head_dim(), m = store.params().jl_dim;
   const float* s = store.summary(layer, r, h);
-  const std::int8_t* u1 = store.u1(layer, r, h);
+  const SummaryParts& kept = store.parts();
+  // Only the bounds of the summaries the store keeps (the others stay +inf).
+  if (!kept.fd) which &= ~static_cast<unsigned>(kBoundsFD | kBoundsOnePC);
+  if (!kept.jl) which &= ~static_cast<unsigned>(kBoundsJL);
+  if (!kept.one_pc) which &= ~static_cast<unsigned>(kBoundsOnePC);
   GroupBounds g;
   const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(d);
   detail::box_bounds_block<1, true>(store.box_min(layer, h) + row, store.box_max(layer, h) + row, d, q, d, &g.box_hi,
@@ -1140,34 +1194,40 @@ inline GroupBounds group_bounds(const SketchStore& store, std::int32_t layer, st
   g.box_hi += slack;
   g.box_lo -= slack;
   g.norm = qnorm * store.max_norm(layer, h)[r] * (1 + 1e-12);
-  if ((which & (kBoundsFD | kBoundsOnePC)) == 0 && (which & kBoundsJL) == 0) return g;
-  std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
-  double qc = 0, qc_mag = 0;
-  for (std::int32_t c = 0; c < d; ++c) {
-    qc += static_cast<double>(q[c]) * s[L.center + c];
-    qc_mag += std::fabs(static_cast<double>(q[c]) * s[L.center + c]);
+  double qc = 0;  // q·c, c the group's first key (FD's centre), rounded up
+  if (which & (kBoundsFD | kBoundsOnePC)) {
+    double qc_mag = 0;
+    for (std::int32_t c = 0; c < d; ++c) {
+      qc += static_cast<double>(q[c]) * s[L.center + c];
+      qc_mag += std::fabs(static_cast<double>(q[c]) * s[L.center + c]);
+    }
+    qc += 1e-9 * qc_mag;
   }
-  qc += 1e-9 * qc_mag;
-  double e = 0;
-  if ((which & kBoundsFD) == 0) used = 0;
-  for (std::int32_t i = 0; i < used; ++i) {
-    double acc = 0;
-    const float* row = s + L.fd + i * d;
-    for (std::int32_t c = 0; c < d; ++c) acc += static_cast<double>(row[c]) * q[c];
-    e += acc * acc;
+  if (which & kBoundsFD) {
+    const std::int32_t used = static_cast<std::int32_t>(s[L.fd_used]);
+    double e = 0;
+    for (std::int32_t i = 0; i < used; ++i) {
+      double acc = 0;
+      const float* row = s + L.fd + i * d;
+      for (std::int32_t c = 0; c < d; ++c) acc += static_cast<double>(row[c]) * q[c];
+      e += acc * acc;
+    }
+    // float storage of B perturbs BᵀB by ~1e-7 ‖B‖_F² <= 1e-7 Σ‖k-c‖²: covered by the slack.
+    e += (static_cast<double>(s[L.delta]) + 1e-5 * s[L.csumsq]) * qnorm * qnorm;
+    g.fd = qc + std::sqrt(e);
   }
-  // float storage of B perturbs BᵀB by ~1e-7 ‖B‖_F² <= 1e-7 Σ‖k-c‖²: covered by the slack.
-  e += (static_cast<double>(s[L.delta]) + 1e-5 * s[L.csumsq]) * qnorm * qnorm;
-  if (which & kBoundsFD) g.fd = qc + std::sqrt(e);
-  if ((which & kBoundsJL) == 0 && (which & kBoundsOnePC) == 0) return g;
-  double qf = 0;
-  const float* G = s + L.jl;
-  for (std::int32_t a = 0; a < m; ++a) {
-    double row = 0;
-    for (std::int32_t b = 0; b < m; ++b) row += static_cast<double>(G[a * m + b]) * z[b];
-    qf += row * z[a];
+  if (which & kBoundsJL) {
+    double qf = 0;
+    const float* G = s + L.jl;
+    for (std::int32_t a = 0; a < m; ++a) {
+      double row = 0;
+      for (std::int32_t b = 0; b < m; ++b) row += static_cast<double>(G[a * m + b]) * z[b];
+      qf += row * z[a];
+    }
+    g.jl = std::sqrt(std::max(0.0, qf)) / m;
   }
-  if (which & kBoundsJL) g.jl = std::sqrt(std::max(0.0, qf)) / m;
+  if ((which & kBoundsOnePC) == 0) return g;
+  const std::int8_t* u1 = store.u1(layer, r, h);
   double dot = 0;
   for (std::int32_t c = 0; c < d; ++c) dot += static_cast<double>(u1[c]) * q[c];
   dot *= s[L.u1_scale];
@@ -1538,7 +1598,7 @@ class SketchSelector {
     const std::int32_t d = st.head_dim(), g = p.group_pages, P = st.page_size(), grp = num_qo_heads / st.num_kv_heads();
     const float* qf = qbuf_.data() + static_cast<std::size_t>(gq) * d;
     double& omitted = omitted_[static_cast<std::size_t>(b) * num_qo_heads + h * grp + gq];
-    if (need != 0) {
+    if (need & kBoundsJL) {  // z = Φᵀq, read only by the JL estimate
       const std::int32_t m = p.jl_dim;
       const float* ph = st.phi(h);
       for (std::int32_t a = 0; a < m; ++a) z_[a] = 0;
