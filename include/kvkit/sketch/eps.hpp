@@ -1655,17 +1655,22 @@ class SketchSelector {
     omitted = r.omitted;
   }
 
-  // q·k in float (8 accumulators, vectorised) minus its rounding error bound.
+  // q·k in float minus its rounding error bound: 8 accumulators (lane j takes the channels
+  // c ≡ j mod 8, the tail goes to lane 0), each product rounded, then added; the lanes
+  // summed in double in lane order. detail::F8 does the 8 lanes in one or two vector
+  // registers with the same IEEE operations, so every backend gives the same bits.
   template <class T>
   static double logit_lo(const float* q, const T* k, std::int32_t d) {
-    float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    detail::F8 a = detail::F8::zero(), mg = detail::F8::zero();
     std::int32_t c = 0;
-    for (; c + 8 <= d; c += 8)
-      for (int j = 0; j < 8; ++j) {
-        const float x = q[c + j] * to_float(k[c + j]);
-        a8[j] += x;
-        m8[j] += std::fabs(x);
-      }
+    for (; c + 8 <= d; c += 8) {
+      const detail::F8 x = detail::F8::load(q + c) * load8(k + c);
+      a = a + x;
+      mg = mg + detail::F8::abs(x);
+    }
+    float a8[8], m8[8];
+    a.store(a8);
+    mg.store(m8);
     for (; c < d; ++c) {
       const float x = q[c] * to_float(k[c]);
       a8[0] += x;
@@ -1677,6 +1682,14 @@ class SketchSelector {
       mag += m8[j];
     }
     return acc - detail::float_sum_slack(d) * mag;
+  }
+  // 8 keys as floats (a plain load for float keys).
+  static detail::F8 load8(const float* k) { return detail::F8::load(k); }
+  template <class T>
+  static detail::F8 load8(const T* k) {
+    float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = to_float(k[j]);
+    return detail::F8::load(f);
   }
   // Σ exp(s·q·k − ref) over group j's tokens (a lower bound of its mass relative to ref);
   // rows addressed page by page.
