@@ -55,6 +55,26 @@ using kvkit::test::RandomPool;
 
 namespace {
 
+// Two sequences of `lens` tokens, 2 kv heads of 32 dims, pages of 8, each page's keys
+// scaled by its own log-normal factor, so bounds differ and prune.
+RandomPool<float> scaled_pool(std::vector<std::int32_t> lens, std::mt19937_64& rng) {
+  PoolSpec spec;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 32;
+  spec.page_size = 8;
+  spec.seq_lens = std::move(lens);
+  RandomPool<float> pool(spec, rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (std::int32_t b = 0; b < pool.view.batch_size; ++b)
+    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
+      const float sc = std::exp(nd(rng));
+      for (std::int32_t t = pg * 8; t < std::min(pool.view.seq_len(b), pg * 8 + 8); ++t)
+        for (std::int32_t h = 0; h < 2; ++h)
+          for (std::int32_t c = 0; c < 32; ++c) pool.view.k_ptr(b, t, h)[c] *= sc;
+    }
+  return pool;
+}
+
 // The rule of detail::certified_walk, written the plain way: full sort, then a linear walk.
 sk::detail::WalkResult reference_walk(const std::vector<double>& ub, double s0, double eps, std::int32_t lim,
                                       std::int32_t budget, const std::vector<double>& mass,
@@ -232,21 +252,9 @@ TEST_CASE("eps prepass: the partial-selection walk equals a full-sort walk (ties
 TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound certified; select() never allocates",
           "[eps]") {
   KVKIT_TEST_RNG(rng);
-  PoolSpec spec;
-  spec.num_kv_heads = 2;
-  spec.head_dim = 32;
-  spec.page_size = 8;
-  spec.seq_lens = {1500, 700};
-  RandomPool<float> pool(spec, rng);
+  RandomPool<float> pool = scaled_pool({1500, 700}, rng);
   const std::int32_t Hq = 6, d = 32;
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (std::int32_t b = 0; b < 2; ++b)  // pages of different scales, so bounds prune
-    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
-      const float sc = std::exp(nd(rng));
-      for (std::int32_t t = pg * 8; t < std::min(pool.view.seq_len(b), pg * 8 + 8); ++t)
-        for (std::int32_t h = 0; h < 2; ++h)
-          for (std::int32_t c = 0; c < d; ++c) pool.view.k_ptr(b, t, h)[c] *= sc;
-    }
   std::vector<float> q(static_cast<std::size_t>(2 * Hq * d));
 #ifdef KVKIT_TEST_SANITIZED
   WARN("sanitizer build: allocation counting is off (ASan owns operator new); the Release build checks it");
@@ -311,21 +319,9 @@ TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound cer
 TEST_CASE("eps prepass: a store keeping only its method's summaries selects the same pages with fewer bytes",
           "[eps]") {
   KVKIT_TEST_RNG(rng);
-  PoolSpec spec;
-  spec.num_kv_heads = 2;
-  spec.head_dim = 32;
-  spec.page_size = 8;
-  spec.seq_lens = {900, 333};
-  RandomPool<float> pool(spec, rng);
+  RandomPool<float> pool = scaled_pool({900, 333}, rng);
   const std::int32_t Hq = 6, d = 32;
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (std::int32_t b = 0; b < 2; ++b)  // pages of different scales, so bounds prune
-    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
-      const float sc = std::exp(nd(rng));
-      for (std::int32_t t = pg * 8; t < std::min(pool.view.seq_len(b), pg * 8 + 8); ++t)
-        for (std::int32_t h = 0; h < 2; ++h)
-          for (std::int32_t c = 0; c < d; ++c) pool.view.k_ptr(b, t, h)[c] *= sc;
-    }
   std::vector<float> q(static_cast<std::size_t>(2 * Hq * d));
   const sk::SketchMethod methods[] = {sk::SketchMethod::kBox, sk::SketchMethod::kJL, sk::SketchMethod::kOnePC,
                                       sk::SketchMethod::kFD, sk::SketchMethod::kRotBox};
