@@ -265,22 +265,22 @@ bool parse_args(int argc, char** argv, Options& o) {
   // --policy and every family's options, on generate and on chat (one storage: only one
   // subcommand is parsed per run).
   auto add_policy_options = [&](CLI::App& cmd) {
-  for (const kvkit::cli::PolicyEntry& e : *o.policies) e.add_options(cmd);
-  cmd.add_option("--policy", o.policy,
-                  "KV-cache policy hosted during the run: " + join(policy_names, ", ") +
-                      ", or several joined by '+' in one engine (r1kv+eps: at most one that replaces attention, "
-                      "one that moves tokens) (default: no policy; none hosts nothing, the full cache, to check "
-                      "--compare-full); its options are listed here too")
-      ->type_name("NAME[+NAME]")
-      ->check([policy_names](const std::string& s) -> std::string {
-        const std::vector<std::string> parts = split_policy(s);
-        for (const std::string& part : parts) {
-          if (std::find(policy_names.begin(), policy_names.end(), part) == policy_names.end())
-            return "'" + part + "' is not a policy (" + join(policy_names, ", ") + ")";
-          if (part == "none" && parts.size() > 1) return "none hosts nothing and cannot be combined with '" + s + "'";
-        }
-        return "";
-      });
+    for (const kvkit::cli::PolicyEntry& e : *o.policies) e.add_options(cmd);
+    cmd.add_option("--policy", o.policy,
+                   "KV-cache policy hosted during the run: " + join(policy_names, ", ") +
+                       ", or several joined by '+' in one engine (r1kv+eps: at most one that replaces attention, "
+                       "one that moves tokens) (default: no policy; none hosts nothing, the full cache, to check "
+                       "--compare-full); its options are listed here too")
+        ->type_name("NAME[+NAME]")
+        ->check([policy_names](const std::string& s) -> std::string {
+          const std::vector<std::string> parts = split_policy(s);
+          for (const std::string& part : parts) {
+            if (std::find(policy_names.begin(), policy_names.end(), part) == policy_names.end())
+              return "'" + part + "' is not a policy (" + join(policy_names, ", ") + ")";
+            if (part == "none" && parts.size() > 1) return "none hosts nothing and cannot be combined with '" + s + "'";
+          }
+          return "";
+        });
   };
   add_policy_options(*gen);
   gen->add_flag("--compare-full", o.compare_full,
@@ -333,10 +333,10 @@ bool parse_args(int argc, char** argv, Options& o) {
   if (o.command == "chat") o.stop_at_eos = true;
   if (o.command == "generate" || o.command == "chat") {
     // A family's options without one of its policies would be silently ignored.
+    const std::vector<std::string> parts = split_policy(o.policy);
     for (const kvkit::cli::PolicyEntry& e : *o.policies)
       for (const std::string& opt : e.option_names)
         if (cmd->count(opt) > 0 && std::none_of(e.names.begin(), e.names.end(), [&](const std::string& n) {
-              const std::vector<std::string> parts = split_policy(o.policy);
               return std::find(parts.begin(), parts.end(), n) != parts.end();
             }))
           throw UsageError(opt + " needs --policy " + join(e.names, "|"));
@@ -627,7 +627,6 @@ Lockstep make_lockstep(Engine& eng, Engine* full) {
   return ls;
 }
 
-// Adds the policy's counters and, with --compare-full, the fidelity fields to `j`.
 // Adds the policy's name and counters to `j`.
 void add_policy_stats(Json& j, const EnginePolicy* policy) {
   if (!policy) return;
@@ -1123,7 +1122,7 @@ int cmd_chat(const Options& o) {
     }
   }
   if (o.json) {
-    const Json j = {{"command", "chat"},
+    Json j = {{"command", "chat"},
                     {"version", KVKIT_VERSION},
                     {"model", tm.model.name},
                     {"page_size", eo.page_size},
@@ -1133,9 +1132,8 @@ int cmd_chat(const Options& o) {
                     {"turns", turns},
                     {"kv_bytes_peak", eng ? eng->kv_bytes_peak() : 0},
                     {"pages_in_use", eng ? eng->pages_in_use() : 0}};
-    Json out = j;
-    if (eng) add_policy_stats(out, policy.get());
-    std::cout << dump(out);
+    if (eng) add_policy_stats(j, policy.get());
+    std::cout << dump(j);
   } else if (eng && policy) {
     std::cerr << "kvkit: " << policy_line(policy.get(), make_lockstep(*eng, nullptr)) << "\n";
   }

@@ -507,11 +507,13 @@ TEST_CASE("a composite policy (r1kv+eps) carries its parts' state across suspend
     REQUIRE(eng.kv_len(s) < eng.position(s));
     finish_turn(eng, cache, "c", s, pol.get());
   }
-  const auto& rr = dynamic_cast<const R1KVPolicy&>(ref_pol->part(0));
-  const auto& rp = dynamic_cast<const R1KVPolicy&>(pol->part(0));
-  CHECK(rp.counters().compressions == rr.counters().compressions);
-  CHECK(rp.counters().deferred_steps == 0);
-  CHECK(dynamic_cast<const EpsPolicy&>(pol->part(1)).telemetry().certified_omitted_max <= 1e-2 * (1 + 1e-9));
+  const R1KVPolicy* rr = ref_pol->find<R1KVPolicy>();
+  const R1KVPolicy* rp = pol->find<R1KVPolicy>();
+  const EpsPolicy* ep = pol->find<EpsPolicy>();
+  REQUIRE((rr != nullptr && rp != nullptr && ep != nullptr));
+  CHECK(rp->counters().compressions == rr->counters().compressions);
+  CHECK(rp->counters().deferred_steps == 0);
+  CHECK(ep->telemetry().certified_omitted_max <= 1e-2 * (1 + 1e-9));
   // A state the composite did not save is refused, naming the policy.
   const SeqId other = eng.add_sequence({kBosToken, 5});
   CHECK_THROWS_WITH(pol->restore_sequence(other, std::any(42)), Catch::Contains("r1kv+eps cannot restore sequence"));

@@ -69,18 +69,12 @@ std::unique_ptr<CompositePolicy> r1kv_eps(bool eps_first = false) {
   return std::make_unique<CompositePolicy>(std::move(parts));
 }
 
-const EpsPolicy& eps_part(const CompositePolicy& c) {
-  for (std::size_t i = 0; i < c.size(); ++i)
-    if (const auto* e = dynamic_cast<const EpsPolicy*>(&c.part(i))) return *e;
-  FAIL("no eps part");
-  throw 0;
-}
-
-const R1KVPolicy& r1kv_part(const CompositePolicy& c) {
-  for (std::size_t i = 0; i < c.size(); ++i)
-    if (const auto* r = dynamic_cast<const R1KVPolicy*>(&c.part(i))) return *r;
-  FAIL("no r1kv part");
-  throw 0;
+// The composite's part of type P (the test fails when there is none).
+template <class P>
+const P& part_of(const CompositePolicy& c) {
+  const P* p = c.find<const P>();
+  REQUIRE(p != nullptr);
+  return *p;
 }
 
 // Every summary record the next pre-pass would use as is (record_matches) must bound its
@@ -142,7 +136,7 @@ TEST_CASE("r1kv+eps: summaries follow every compaction through page events alone
     for (int s = 0; s < steps; ++s) {
       eng.step();
       const auto* c = dynamic_cast<const CompositePolicy*>(&pol);
-      const EpsPolicy& e = c != nullptr ? eps_part(*c) : dynamic_cast<const EpsPolicy&>(pol);
+      const EpsPolicy& e = c != nullptr ? part_of<EpsPolicy>(*c) : dynamic_cast<const EpsPolicy&>(pol);
       check_summaries_bound_keys(eng, *e.store(), bc);
     }
     return bc;
@@ -157,8 +151,8 @@ TEST_CASE("r1kv+eps: summaries follow every compaction through page events alone
 
   auto comp = r1kv_eps();
   const BoundCheck bc = run(*comp);
-  const R1KVPolicy& r = r1kv_part(*comp);
-  const EpsPolicy& e = eps_part(*comp);
+  const R1KVPolicy& r = part_of<R1KVPolicy>(*comp);
+  const EpsPolicy& e = part_of<EpsPolicy>(*comp);
   INFO("compressions " << r.counters().compressions << ", records checked " << bc.records << ", rebuilt "
                        << e.telemetry().summaries_rebuilt << ", first key outside its summary at " << bc.first);
   REQUIRE(r.counters().compressions >= 4);
@@ -204,10 +198,10 @@ TEST_CASE("r1kv+eps: same pages freed as r1kv alone, close logits, attach order 
     // Compactions are triggered by length alone: same pages in use at every step.
     REQUIRE(eng.pages_in_use() == ref.pages_in_use());
   }
-  const EpsPolicy& e = eps_part(*comp);
+  const EpsPolicy& e = part_of<EpsPolicy>(*comp);
   INFO("top-1 agreement " << meter.top1_agreement() << ", mean KL " << meter.mean_kl() << ", pages visited "
                           << e.telemetry().pages_visited << " of " << e.telemetry().pages_total);
-  REQUIRE(r1kv_part(*comp).counters().pages_freed == ref_pol.counters().pages_freed);
+  REQUIRE(part_of<R1KVPolicy>(*comp).counters().pages_freed == ref_pol.counters().pages_freed);
   REQUIRE(ref_pol.counters().pages_freed > 0);
   REQUIRE(eng.kv_bytes_in_use() == eng.pages_bytes(eng.pages_in_use()) + e.store()->memory_bytes());
   REQUIRE(e.telemetry().certified_omitted_max <= eps_params().eps * (1 + 1e-9));

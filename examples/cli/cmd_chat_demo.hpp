@@ -177,6 +177,14 @@ struct WayResult {
   double reuse_fraction() const { return reusable > 0 ? static_cast<double>(reused) / reusable : 0.0; }
 };
 
+/// The conversation_cache_r1kv way's policy options (--budget, --buffer).
+inline engine::CompressorPolicyOptions r1kv_options(const Options& o) {
+  engine::CompressorPolicyOptions po;
+  po.params.budget = o.r1kv_budget;
+  po.params.buffer = o.r1kv_buffer;
+  return po;
+}
+
 enum class Way { kNoCache, kPrefixLru, kConversation, kConversationSpill, kConversationR1kv };
 
 inline const char* way_name(Way w) {
@@ -215,10 +223,7 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   std::unique_ptr<engine::PrefixLruCache> plru;
   std::unique_ptr<engine::R1KVPolicy> r1kv;
   if (way == Way::kConversationR1kv) {
-    engine::CompressorPolicyOptions po;
-    po.params.budget = o.r1kv_budget;
-    po.params.buffer = o.r1kv_buffer;
-    r1kv = std::make_unique<engine::R1KVPolicy>(po);
+    r1kv = std::make_unique<engine::R1KVPolicy>(r1kv_options(o));
     r1kv->attach(eng);
   }
   if (way == Way::kConversation || way == Way::kConversationSpill || way == Way::kConversationR1kv) {
@@ -407,11 +412,8 @@ inline int run(const Options& o) {
   const std::string ns = store::make_namespace(model_name, "chat-demo-" + std::to_string(o.page_size));
 
   if (o.r1kv_budget > 0) {  // the policy's own checks, as a usage error
-    compressor::Params cp;
-    cp.budget = o.r1kv_budget;
-    cp.buffer = o.r1kv_buffer;
     try {
-      cp.validate();
+      r1kv_options(o).params.validate();
     } catch (const Error& e) {
       throw UsageError(std::string("--budget / --buffer: ") + e.what());
     }

@@ -45,17 +45,16 @@ class CompositePolicy : public EnginePolicy, public SequenceStateKeeper {
     for (const auto& p : parts_) {
       KVKIT_CHECK(p != nullptr, "kvkit: a composite policy got a null policy");
       KVKIT_CHECK(names.insert(p->name()).second, "kvkit: policy ", p->name(), " is listed twice");
+      // Each engine slot has at most one owner.
+      auto claim = [&](const EnginePolicy*& owner, bool takes, const char* what) {
+        if (!takes) return;
+        KVKIT_CHECK(owner == nullptr, "kvkit: policies ", owner ? owner->name() : "", " and ", p->name(),
+                    " both ", what, "; combine at most one of them with others");
+        owner = p.get();
+      };
       const PolicyRole r = p->role();
-      if (r.replaces_attention) {
-        KVKIT_CHECK(attention == nullptr, "kvkit: policies ", attention ? attention->name() : "", " and ",
-                    p->name(), " both replace the attention call; combine at most one of them with others");
-        attention = p.get();
-      }
-      if (r.moves_tokens) {
-        KVKIT_CHECK(mover == nullptr, "kvkit: policies ", mover ? mover->name() : "", " and ", p->name(),
-                    " both move cached tokens; combine at most one of them with others");
-        mover = p.get();
-      }
+      claim(attention, r.replaces_attention, "replace the attention call");
+      claim(mover, r.moves_tokens, "move cached tokens");
     }
   }
 
@@ -91,8 +90,9 @@ class CompositePolicy : public EnginePolicy, public SequenceStateKeeper {
   PolicyRole role() const override {
     PolicyRole r;
     for (const auto& p : parts_) {
-      r.replaces_attention = r.replaces_attention || p->role().replaces_attention;
-      r.moves_tokens = r.moves_tokens || p->role().moves_tokens;
+      const PolicyRole q = p->role();
+      r.replaces_attention = r.replaces_attention || q.replaces_attention;
+      r.moves_tokens = r.moves_tokens || q.moves_tokens;
     }
     return r;
   }
@@ -126,6 +126,13 @@ class CompositePolicy : public EnginePolicy, public SequenceStateKeeper {
 
   /// Part i, in attach order.
   EnginePolicy& part(std::size_t i) const { return *parts_.at(i); }
+  /// The first part of type P (nullptr when none), e.g. find<EpsPolicy>() for its telemetry.
+  template <class P>
+  P* find() const {
+    for (const auto& p : parts_)
+      if (auto* x = dynamic_cast<P*>(p.get())) return x;
+    return nullptr;
+  }
   std::size_t size() const { return parts_.size(); }
 
  private:

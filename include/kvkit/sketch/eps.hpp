@@ -1183,9 +1183,9 @@ inline GroupBounds group_bounds(const SketchStore& store, std::int32_t layer, st
   const float* s = store.summary(layer, r, h);
   const SummaryParts& kept = store.parts();
   // Only the bounds of the summaries the store keeps (the others stay +inf).
-  if (!kept.fd) which &= ~static_cast<unsigned>(kBoundsFD | kBoundsOnePC);
+  if (!kept.fd) which &= ~static_cast<unsigned>(kBoundsFD);
   if (!kept.jl) which &= ~static_cast<unsigned>(kBoundsJL);
-  if (!kept.one_pc) which &= ~static_cast<unsigned>(kBoundsOnePC);
+  if (!kept.one_pc) which &= ~static_cast<unsigned>(kBoundsOnePC);  // one_pc implies fd (its centre)
   GroupBounds g;
   const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(d);
   detail::box_bounds_block<1, true>(store.box_min(layer, h) + row, store.box_max(layer, h) + row, d, q, d, &g.box_hi,
