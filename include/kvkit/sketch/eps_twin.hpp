@@ -362,6 +362,12 @@ struct PrepassArgs {
   double log_full = 0;              // std::log(page_size), computed on the host
 };
 
+/// Pre-pass on for kv head h under head_mask (heads past 64 are always on: a head_on list
+/// is limited to 64 kv heads on CUDA).
+KVKIT_HOST_DEVICE bool head_is_on(std::uint64_t head_mask, std::int32_t h) {
+  return h >= 64 || ((head_mask >> h) & 1u) != 0;
+}
+
 /// True when page j (ntok tokens, physical id pid) of a (sequence, kv head) with np pages
 /// is always visited: pre-pass off, one of the last last_n, or no valid summary.
 KVKIT_HOST_DEVICE bool always_visited(const BoxSummaries& s, bool on, std::int32_t j, std::int32_t np,
@@ -389,7 +395,7 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
   for (std::int32_t b = 0; b < view.batch_size; ++b) {
     const std::int32_t np = view.num_pages(b), len = view.seq_len(b);
     for (std::int32_t h = 0; h < hkv; ++h) {
-      const bool on = ((a.head_mask >> h) & 1u) != 0;
+      const bool on = head_is_on(a.head_mask, h);
       cand.clear();
       alw.clear();
       visit.assign(static_cast<std::size_t>(np), 0);
