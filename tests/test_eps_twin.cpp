@@ -179,6 +179,28 @@ TEST_CASE("eps twin: box_norm_bound equals detail::box_norm_bounds bit for bit",
   }
 }
 
+TEST_CASE("eps twin: the kernel's bitonic sort gives rank_of's order (ties by position)", "[eps][twin]") {
+  KVKIT_TEST_RNG(rng);
+  for (int it = 0; it < 400; ++it) {
+    const std::int32_t n = static_cast<std::int32_t>(rng() % 300);
+    const int levels = 1 + static_cast<int>(rng() % 5);
+    std::vector<double> ub(static_cast<std::size_t>(n));
+    for (double& x : ub) x = rng() % 3 == 0 ? static_cast<double>(rng() % levels) : static_cast<double>(rng() % 1000) / 7.0;
+    const std::int32_t n2 = tw::pow2_at_least(n);
+    REQUIRE(n2 >= n);
+    REQUIRE((n2 & (n2 - 1)) == 0);
+    std::vector<std::int32_t> ord(static_cast<std::size_t>(n2));
+    for (std::int32_t i = 0; i < n2; ++i) ord[i] = i < n ? i : -1;
+    std::shuffle(ord.begin(), ord.end(), rng);  // the network sorts any start order
+    for (std::int32_t k = 2; k <= n2; k <<= 1)
+      for (std::int32_t j = k >> 1; j > 0; j >>= 1)
+        for (std::int32_t i = n2 - 1; i >= 0; --i) tw::bitonic_step(ord.data(), ub.data(), k, j, i);
+    CAPTURE(it, n, levels);
+    for (std::int32_t i = 0; i < n; ++i) REQUIRE(ord[tw::rank_of(ub.data(), n, i)] == i);
+    for (std::int32_t r = n; r < n2; ++r) REQUIRE(ord[r] == -1);
+  }
+}
+
 TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twin]") {
   KVKIT_TEST_RNG(rng);
   std::uniform_real_distribution<double> u01(0.0, 1.0);

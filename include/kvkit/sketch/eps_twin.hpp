@@ -247,12 +247,41 @@ KVKIT_HOST_DEVICE double log_mass_bound(std::int32_t ntok, std::int32_t page_siz
   return dadd(ntok == page_size ? log_full : log_d(static_cast<double>(ntok)), dmul(scale, u));
 }
 
-/// Rank of candidate i among n: decreasing ub, ties by increasing position.
+/// Rank order of candidates a, b: decreasing ub, ties by increasing position (certified_walk's
+/// `before`); -1 (sort padding) goes after every candidate.
+KVKIT_HOST_DEVICE bool rank_less(const double* ub /* [n] */, std::int32_t a, std::int32_t b) {
+  if (a < 0) return false;
+  if (b < 0) return true;
+  return ub[a] > ub[b] || (ub[a] == ub[b] && a < b);
+}
+
+/// Rank of candidate i among n (O(n); the host schedule's way).
 KVKIT_HOST_DEVICE std::int32_t rank_of(const double* ub /* [n] */, std::int32_t n, std::int32_t i) {
-  const double u = ub[i];
   std::int32_t r = 0;
-  for (std::int32_t j = 0; j < n; ++j) r += (ub[j] > u || (ub[j] == u && j < i)) ? 1 : 0;
+  for (std::int32_t j = 0; j < n; ++j) r += rank_less(ub, j, i) ? 1 : 0;
   return r;
+}
+
+/// Smallest power of two >= n (0 <= n <= 2^30; larger n give 2^30, callers refuse them).
+KVKIT_HOST_DEVICE std::int32_t pow2_at_least(std::int32_t n) {
+  std::int32_t p = 1;
+  while (p < n && p < (1 << 30)) p <<= 1;
+  return p;
+}
+
+/// Element i of stage (k, j) of a bitonic sorting network over ord[0..n2) (n2 a power of
+/// two; k = 2, 4, .., n2; j = k/2, .., 1; the pairs (i, i^j) of a stage are disjoint, so a
+/// thread per i runs a stage): afterwards ord is ascending in rank_less (the kernel's way
+/// to the rank order, O(n log² n) instead of rank_of's O(n²)).
+KVKIT_HOST_DEVICE void bitonic_step(std::int32_t* ord /* [n2] */, const double* ub, std::int32_t k, std::int32_t j,
+                                    std::int32_t i) {
+  const std::int32_t l = i ^ j;
+  if (l <= i) return;
+  const std::int32_t a = ord[i], b = ord[l];
+  if ((i & k) == 0 ? rank_less(ub, b, a) : rank_less(ub, a, b)) {
+    ord[i] = b;
+    ord[l] = a;
+  }
 }
 
 /// certified_walk's relaxed test: a stop at rank p is possible if every rank in

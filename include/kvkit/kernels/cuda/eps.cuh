@@ -24,9 +24,9 @@
 //              group in turn: classify pages (always visited / candidate, block scans);
 //              exact log-sum-exp of the always-visited tokens (threads compute logits,
 //              thread 0 folds them in token order); bounds of every candidate (a thread
-//              per page); ref = block max; quantised masses; ranks (a thread per
-//              candidate, O(n) each: O(n²/256) per query head); tail sums by rank (per-
-//              thread chunks, thread-0 suffix over chunks); then every thread runs
+//              per page); ref = block max; quantised masses; the rank order by a bitonic
+//              sort (O(n log² n / 256) per query head); tail sums by rank (per-thread
+//              chunks, thread-0 suffix over chunks); then every thread runs
 //              twin::walk on the same data (uniform control flow) and the masses it asks
 //              for are computed by all threads (a thread per page) behind a barrier.
 //              Visit flags are OR-ed over the group (the GQA union).
@@ -37,6 +37,15 @@
 // and the subsets equal the CPU's except where a stop test sits within ~1 ulp of CUDA's
 // exp vs glibc's (see eps_twin.hpp). Nothing is allocated or synchronised on the run path
 // (workspace via workspace_size), so a decode step can be captured in a CUDA graph.
+//
+// Limits (first version, not yet measured on a GPU): the always-visited tokens' exps are
+// folded serially by one thread (cheap for last_n pages, slow when many pages have no
+// summary); every thread of a block runs the walk's serial mass sum (O(pages visited)
+// per query head); one block per (b, kv head) whatever the sequence length; the update
+// list must hold distinct page ids. Verified without a GPU by tests/test_eps_twin.cpp
+// (the per-item functions and the host schedule against SketchSelector) and
+// scripts/eps_cuda_emulation (these kernels run on host threads); tests/cuda/test_eps_cuda
+// runs them on a GPU.
 
 #include <cmath>
 #include <cstddef>
@@ -80,7 +89,7 @@ KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsThreads] shared */, int* 
 struct EpsScratch {
   std::int32_t* cand = nullptr;     // [nb, M] candidate pages, ascending
   std::int32_t* alw = nullptr;      // [nb, M] always-visited pages, ascending
-  std::int32_t* ord = nullptr;      // [nb, M] candidate at each rank
+  std::int32_t* ord = nullptr;      // [nb, pow2 >= M] candidate at each rank (sort buffer)
   double* ub = nullptr;             // [nb, M] log-mass bounds
   sketch::detail::Mass128* w = nullptr;     // [nb, M] quantised masses
   sketch::detail::Mass128* tail = nullptr;  // [nb, M + 1] tail sums by rank
@@ -191,7 +200,7 @@ __global__ void __launch_bounds__(kEpsThreads)
   const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
   std::int32_t* cand = ws.cand + base;
   std::int32_t* alw = ws.alw + base;
-  std::int32_t* ord = ws.ord + base;
+  std::int32_t* ord = ws.ord + static_cast<std::size_t>(bh) * tw::pow2_at_least(max_pages);
   double* ub = ws.ub + base;
   Mass128* w = ws.w + base;
   Mass128* tail = ws.tail + static_cast<std::size_t>(bh) * (max_pages + 1);
@@ -277,11 +286,19 @@ __global__ void __launch_bounds__(kEpsThreads)
       __syncthreads();
       continue;
     }
-    for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
-      w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
-      ord[tw::rank_of(ub, nc, i)] = i;
+    // Quantised masses; the rank order by a bitonic sort of the candidates (padded to a
+    // power of two with -1, which sorts last).
+    const std::int32_t n2 = tw::pow2_at_least(nc);
+    for (std::int32_t i = tid; i < n2; i += kEpsThreads) {
+      if (i < nc) w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
+      ord[i] = i < nc ? i : -1;
     }
     __syncthreads();
+    for (std::int32_t k = 2; k <= n2; k <<= 1)
+      for (std::int32_t j = k >> 1; j > 0; j >>= 1) {
+        for (std::int32_t i = tid; i < n2; i += kEpsThreads) tw::bitonic_step(ord, ub, k, j, i);
+        __syncthreads();
+      }
     // Tail sums by rank: thread t sums ranks [t·per, (t+1)·per), thread 0 turns the chunk
     // sums into suffixes, then each thread fills its chunk (exact integers: any order).
     const std::int32_t per = (nc + kEpsThreads - 1) / kEpsThreads;
@@ -397,10 +414,11 @@ class EpsCudaConfig {
   std::size_t workspace_size(const EpsCudaShape& shape) const {
     const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(shape.num_kv_heads);
     const std::size_t m = static_cast<std::size_t>(shape.max_pages);
+    const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
     return WorkspaceSizer()
         .add<std::int32_t>(nb * m)
         .add<std::int32_t>(nb * m)
-        .add<std::int32_t>(nb * m)
+        .add<std::int32_t>(nb * m2)
         .add<double>(nb * m)
         .add<detail::Mass128>(nb * m)
         .add<detail::Mass128>(nb * (m + 1))
@@ -477,7 +495,8 @@ class EpsCudaConfig {
     KVKIT_CHECK_STATUS(view.space == MemorySpace::kCuda && view.k_data != nullptr, StatusCode::kInvalidArgument, kOp,
                        ": the view must be a CUDA view with K data");
     KVKIT_CHECK_STATUS(hkv == s.num_kv_heads && hkv == shape.num_kv_heads && view.head_dim == s.head_dim &&
-                           view.batch_size >= 0 && view.batch_size <= shape.max_batch && shape.max_pages > 0,
+                           view.batch_size >= 0 && view.batch_size <= shape.max_batch && shape.max_pages > 0 &&
+                           shape.max_pages <= (1 << 30),
                        StatusCode::kInvalidArgument, kOp, ": view (batch ", view.batch_size, ", kv heads ", hkv,
                        ", head_dim ", view.head_dim, ") does not fit the shape (batch ", shape.max_batch,
                        ", kv heads ", shape.num_kv_heads, ", pages ", shape.max_pages, ") or summaries (kv heads ",
@@ -509,7 +528,7 @@ class EpsCudaConfig {
     cd::EpsScratch sc;
     sc.cand = c.take<std::int32_t>(nb * m);
     sc.alw = c.take<std::int32_t>(nb * m);
-    sc.ord = c.take<std::int32_t>(nb * m);
+    sc.ord = c.take<std::int32_t>(nb * static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)));
     sc.ub = c.take<double>(nb * m);
     sc.w = c.take<detail::Mass128>(nb * m);
     sc.tail = c.take<detail::Mass128>(nb * (m + 1));
