@@ -15,14 +15,16 @@ int total_cases = 0, bad_cases = 0;
 long long pruned = 0;
 
 template <class T>
-void run_case(std::mt19937_64& rng) {
+void run_case(std::mt19937_64& rng, bool long_seq = false) {
   std::normal_distribution<float> nd(0.f, 1.f);
   const std::int32_t hkv = 2, grp = rng() % 2 ? 3 : 4, hq = hkv * grp;
   const std::int32_t d = std::vector<std::int32_t>{16, 13, 32, 64}[rng() % 4];
-  const std::int32_t P = rng() % 2 ? 8 : 16;
-  const std::int32_t batch = 1 + static_cast<std::int32_t>(rng() % 3);
+  const std::int32_t P = long_seq ? 8 : (rng() % 2 ? 8 : 16);
+  const std::int32_t batch = long_seq ? 1 : 1 + static_cast<std::int32_t>(rng() % 3);
   std::vector<std::int32_t> lens;
-  for (std::int32_t b = 0; b < batch; ++b) lens.push_back(static_cast<std::int32_t>(rng() % 400));
+  // Long sequences (> 256 pages) cross every tile / chunk boundary of the kernels.
+  for (std::int32_t b = 0; b < batch; ++b)
+    lens.push_back(static_cast<std::int32_t>(long_seq ? 2100 + rng() % 2000 : rng() % 400));
   std::vector<float> qv(static_cast<std::size_t>(batch) * hq * d);
   const float qs = 0.5f + 2.f * static_cast<float>(rng() % 100) / 100.f;
   for (float& x : qv) x = to_float(from_float<T>(qs * nd(rng)));
@@ -125,8 +127,8 @@ void run_case(std::mt19937_64& rng) {
   if (ok) pruned += static_cast<long long>(used) * hkv - indptr.back();
   if (!ok) {
     ++bad_cases;
-    std::printf("MISMATCH batch %d hq %d d %d P %d eps %g last_n %d top %d max_groups %d head_on %zu: summaries %d cpu=%s gpu=%s code %d\n",
-                batch, hq, d, P, p.eps, p.last_n, p.top_pages, max_groups, p.head_on.size(), sums_ok,
+    std::printf("MISMATCH batch %d (len %d) hq %d d %d P %d eps %g last_n %d top %d max_groups %d head_on %zu: summaries %d cpu=%s gpu=%s code %d\n",
+                batch, lens[0], hq, d, P, p.eps, p.last_n, p.top_pages, max_groups, p.head_on.size(), sums_ok,
                 cs.to_string().c_str(), st.to_string().c_str(), dst.code);
   }
 }
@@ -163,6 +165,8 @@ int main() {
     if (it % 2) run_case<float>(rng);
     else run_case<half_t>(rng);
   }
+  run_case<float>(rng, true);
+  run_case<half_t>(rng, true);
   bad_update(rng);
   std::printf("cases %d, mismatched %d, pages skipped %lld, launches %d\n", total_cases, bad_cases, pruned, emu::launches);
   return bad_cases != 0 || pruned == 0;
