@@ -1264,7 +1264,8 @@ namespace detail {
 /// Unsigned 128-bit fixed-point mass: the pre-pass's group mass bounds are integers in
 /// units of 2⁻⁹⁶ (relative to the largest bound), so every tail sum is exact and does not
 /// depend on the order it is formed in: a partial selection and a full sort give the
-/// same sums, hence the same decisions, bit for bit.
+/// same sums, hence the same decisions, bit for bit. (Host-device, like quantise_mass,
+/// tail_bound and the slack helpers: the CUDA pre-pass, kernels/cuda/eps.cuh, calls them.)
 struct Mass128 {
   std::uint64_t hi = 0, lo = 0;
   KVKIT_HOST_DEVICE void add(const Mass128& x) {
