@@ -131,8 +131,10 @@ inline void finish_turn(Engine& eng, conversation::ConversationCache<float>& cac
   eng.check_self_contained(seq, "suspended in a conversation cache");  // kvchan: its pool is per sequence
   const std::vector<std::int32_t> done = eng.processed_tokens(seq);
   const std::vector<std::int32_t>& pages = eng.pages(seq);
+  std::any state = keeper != nullptr ? keeper->save_sequence(seq) : std::any();
+  const std::int64_t state_bytes = keeper != nullptr ? keeper->state_bytes(state) : 0;
   cache.suspend(id, done.data(), done.size(), static_cast<std::size_t>(eng.kv_len(seq)), pages.data(),
-                pages.size(), keeper != nullptr ? keeper->save_sequence(seq) : std::any());
+                pages.size(), std::move(state), state_bytes);
   eng.free_sequence(seq);
 }
 
