@@ -18,7 +18,9 @@
 //                    vs the same through a scalar from_float / to_float loop and a
 //                    same-dtype kernel (what a caller did before the converting overloads)
 // The data-movement benchmarks compare with one memcpy of the same number of bytes (the
-// moved tokens' K+V bytes; for compaction, rows whose position changes). Buffers exceed the last-level cache (32 MiB on the
+// moved tokens' K+V bytes; for compaction, rows whose position changes); compaction also
+// against reading just the rows it moves, nothing written (read_floor_GBps,
+// frac_of_read_floor: the floor of its access pattern). Buffers exceed the last-level cache (32 MiB on the
 // reference machine) so bandwidth, not cache, is measured; decode rotates over enough
 // "layers" that each layer's KV is cold when it is read again, as in real decoding.
 // Every benchmark first checks the kernel's output against the baseline / a direct
@@ -38,6 +40,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -562,24 +565,41 @@ void memcpy_rows(unsigned char* dst, const unsigned char* src, std::size_t bytes
   for (std::size_t off = 0; off < bytes; off += row) std::memcpy(dst + off, src + off, row);
 }
 
+/// No extra baseline for time_vs_memcpy.
+struct NoFloor {
+  void operator()() const {}
+  static constexpr bool kPresent = false;
+};
+/// An extra baseline for time_vs_memcpy: calls `fn`.
+template <class F>
+struct ExtraFloor {
+  F& fn;
+  void operator()() const { fn(); }
+  static constexpr bool kPresent = true;
+};
+
 /// Times `op` (returns a Status) against memcpy of `bytes` in the same iterations and
 /// sets the counters: op and memcpy bandwidth (bytes moved / s), frac_of_memcpy, and
-/// frac_of_rows against memcpy_rows.
-template <class T, class Op>
-void time_vs_memcpy(benchmark::State& state, MoveFixture<T>& f, std::size_t bytes, Op&& op) {
+/// frac_of_rows against memcpy_rows. With a `floor` (kPresent), also that baseline's
+/// time, as read_floor_GBps and frac_of_read_floor (its time / op's time).
+template <class T, class Op, class Floor = NoFloor>
+void time_vs_memcpy(benchmark::State& state, MoveFixture<T>& f, std::size_t bytes, Op&& op,
+                    Floor&& floor = NoFloor{}) {
+  constexpr bool kFloor = std::decay_t<Floor>::kPresent;
+  constexpr int kSides = kFloor ? 4 : 3;
   if (bytes > f.memcpy_src.size()) {
     fail_bench(state, "moved bytes exceed the memcpy buffers");
     return;
   }
   volatile std::size_t row_bytes = kDim * sizeof(T);  // opaque size: a real memcpy call
-  double t_op = 0, t_memcpy = 0, t_rows = 0;
+  double t_op = 0, t_memcpy = 0, t_rows = 0, t_floor = 0;
   std::int64_t iter = 0;
   bool ok = true;
   for (auto _ : state) {
     double t_this_op = 0;
-    for (int j = 0; j < 3; ++j) {
+    for (int j = 0; j < kSides; ++j) {
       const double t0 = now_seconds();
-      const int which = static_cast<int>((iter + j) % 3);
+      const int which = static_cast<int>((iter + j) % kSides);
       if (which == 0) {
         std::memcpy(f.memcpy_dst.data(), f.memcpy_src.data(), bytes);
         benchmark::ClobberMemory();
@@ -588,6 +608,10 @@ void time_vs_memcpy(benchmark::State& state, MoveFixture<T>& f, std::size_t byte
         memcpy_rows(f.memcpy_dst.data(), f.memcpy_src.data(), bytes, row_bytes);
         benchmark::ClobberMemory();
         t_rows += seconds_since(t0);
+      } else if (which == 3) {
+        floor();
+        benchmark::ClobberMemory();
+        t_floor += seconds_since(t0);
       } else {
         ok &= op().is_ok();
         benchmark::ClobberMemory();
@@ -608,6 +632,10 @@ void time_vs_memcpy(benchmark::State& state, MoveFixture<T>& f, std::size_t byte
   state.counters["rows_GBps"] = total / t_rows * 1e-9;
   state.counters["frac_of_memcpy"] = t_memcpy / t_op;
   state.counters["frac_of_rows"] = t_rows / t_op;
+  if (kFloor) {
+    state.counters["read_floor_GBps"] = total / t_floor * 1e-9;
+    state.counters["frac_of_read_floor"] = t_floor / t_op;
+  }
   state.counters["MiB_moved"] = static_cast<double>(bytes) / kMiB;
 }
 
@@ -697,7 +725,40 @@ void bm_compact(benchmark::State& state, std::int32_t page_size, KVLayout layout
       return;
     }
   const std::size_t bytes = moved_rows * kDim * sizeof(T) * 2;
-  time_vs_memcpy(state, f, bytes, run);
+  // The floor of the access pattern: only reading the K and V rows that move, in the
+  // kernel's order, with nothing written (row addresses listed beforehand; each row's
+  // lines prefetched 32 rows ahead; 64-bit words into 8 accumulators). A compaction must
+  // at least read them; on a random half it enters the pages at scattered offsets, which a
+  // sequential memcpy never pays.
+  std::vector<const unsigned char*> rows;
+  for (std::int32_t b = 0; b < compacted; ++b)
+    for (std::int32_t h = 0; h < kHkv; ++h)
+      for (std::int32_t i = 0; i < keep_n; ++i) {
+        const std::int32_t src = keep[(static_cast<std::size_t>(b) * kHkv + h) * stride + i];
+        if (src == i) continue;
+        rows.push_back(reinterpret_cast<const unsigned char*>(f.view.k_ptr(b, src, h)));
+        rows.push_back(reinterpret_cast<const unsigned char*>(f.view.v_ptr(b, src, h)));
+      }
+  std::uint64_t floor_sink = 0;
+  auto read_moved = [&] {
+    constexpr std::size_t kAhead = 32, kRow = kDim * sizeof(T);
+    std::uint64_t acc[8] = {};
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+#if defined(__GNUC__)
+      if (r + kAhead < rows.size())
+        for (std::size_t o = 0; o < kRow; o += 64) __builtin_prefetch(rows[r + kAhead] + o);
+#endif
+      for (std::size_t o = 0; o + 64 <= kRow; o += 64)
+        for (int l = 0; l < 8; ++l) {
+          std::uint64_t x;
+          std::memcpy(&x, rows[r] + o + 8 * l, 8);
+          acc[l] ^= x;
+        }
+    }
+    for (std::uint64_t a : acc) floor_sink ^= a;
+  };
+  time_vs_memcpy(state, f, bytes, run, ExtraFloor<decltype(read_moved)>{read_moved});
+  benchmark::DoNotOptimize(floor_sink);
   state.counters["moved_frac"] =
       static_cast<double>(moved_rows) / (static_cast<double>(compacted) * kHkv * keep_n);
 }

@@ -194,6 +194,16 @@ TEST_CASE("suspended and resumed compressed turns decode exactly what one uninte
       CHECK(cache.held_pages() < pages_for(pos_before));  // what an uncompressed cache holds
       CHECK(rig.eng.pages_in_use() == cache.held_pages());
       check_invariants(rig.eng, cache);
+      // The kept state is counted: R1KV's window of layers x window x Hq x D floats.
+      const engine::ModelConfig& mc = rig.eng.config();
+      const std::int64_t window_bytes = static_cast<std::int64_t>(mc.n_layers) * r1kv_options().params.window *
+                                        mc.n_heads * mc.head_dim() * static_cast<std::int64_t>(sizeof(float));
+      if (keep_state) {
+        CHECK(cache.host_state_bytes() >= window_bytes);
+        CHECK(cache.host_state_bytes() < window_bytes + 4096);
+      } else {
+        CHECK(cache.host_state_bytes() == 0);
+      }
     }
     if (keep_state) {
       CHECK(rig.policy.counters().compressions == ref.policy.counters().compressions);
@@ -212,6 +222,7 @@ TEST_CASE("suspended and resumed compressed turns decode exactly what one uninte
     cache.end("c");
     CHECK(rig.eng.pages_in_use() == 0);
     CHECK(cache.held_pages() == 0);
+    CHECK(cache.host_state_bytes() == 0);
     check_invariants(rig.eng, cache);
   }
 }
@@ -417,17 +428,25 @@ TEST_CASE("compressed suspend and policy state restore reject bad input, naming 
                     Catch::Contains("1 pages for 9 tokens of page size 8, expected 2"));
   CHECK(alloc.refcount(pages[0]) == 1);  // nothing retained
   CHECK(alloc.refcount(pages[1]) == 1);
+  CHECK_THROWS_WITH(cache.suspend("c", tokens.data(), 12, 9, pages.data(), 2, std::any(5), -3),
+                    Catch::Contains("state_bytes -3 is negative"));
   CHECK(cache.state("c") == State::kRunning);
-  cache.suspend("c", tokens.data(), 12, 9, pages.data(), 2, std::any(5));
+  cache.suspend("c", tokens.data(), 12, 9, pages.data(), 2, std::any(5), 1000);
   CHECK(cache.compressed("c"));
   CHECK(cache.cached_len("c") == 9);
   CHECK(alloc.refcount(pages[0]) == 2);
+  CHECK(cache.host_state_bytes() == 1000);
+  cache.fork("c", "d");  // a fork copies the state, and its bytes
+  CHECK(cache.host_state_bytes() == 2000);
+  cache.evict("d");  // eviction drops it
+  CHECK(cache.host_state_bytes() == 1000);
   for (std::int32_t pg : pages) alloc.release(pg);
   // A resume by the history alone has no token to feed: a miss, pages released.
   const Resume r = cache.resume("c", tokens);
   CHECK(r.cached_len == 0);
   CHECK(r.pages.empty());
   CHECK_FALSE(r.state.has_value());
+  CHECK(cache.host_state_bytes() == 0);  // a miss drops it
   CHECK(alloc.pages_in_use() == 0);
   CHECK_THROWS_WITH(cache.resume("c", tokens), Catch::Contains("still running"));
   cache.end("c");
@@ -449,6 +468,9 @@ TEST_CASE("compressed suspend and policy state restore reject bad input, naming 
                     Catch::Contains("with a state this policy did not save"));
   rig.eng.step();
   const std::any mine = rig.policy.save_sequence(s);
+  CHECK(rig.policy.state_bytes(mine) > 0);
+  CHECK(rig.policy.state_bytes(theirs) == other.policy.state_bytes(theirs));
+  CHECK(rig.policy.state_bytes(std::any(42)) == 0);  // not its state: nothing of its own
   CHECK_THROWS_WITH(rig.policy.restore_sequence(s, mine),
                     Catch::Contains("restore_sequence of sequence " + std::to_string(s) + " which already ran a step"));
   CHECK_THROWS_WITH(rig.policy.restore_sequence(s + 7, mine),

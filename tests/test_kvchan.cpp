@@ -25,8 +25,10 @@
 #include <string>
 #include <vector>
 
+#include "engine/conversation_host.hpp"
 #include "engine/engine.hpp"
 #include "engine/kvchan_policy.hpp"
+#include "kvkit/conversation/conversation_cache.hpp"
 #include "kvkit/channel/kvchan.hpp"
 #include "kvkit/channel/packed_store.hpp"
 #include "engine_runs.hpp"
@@ -692,6 +694,53 @@ TEST_CASE("engine: the fidelity guard backs off on failure and passes when nothi
     }
     CHECK(r.pol->selector().backoffs() == 0);
   }
+}
+
+TEST_CASE("engine: a sequence with packed tokens is not forked or suspended, and keeps every token",
+          "[kvchan][engine]") {
+  Engine eng(stories(), small_opts());
+  KvchanOptions ko;
+  ko.params = small_params();
+  KvchanPolicy pol(ko);
+  pol.attach(eng);
+  engine::EngineConversationHost host(eng);
+  conversation::ConversationCache<float> cache(host, conversation::Params{});
+  const SeqId id = engine::start_turn(eng, cache, "chat", {engine::kBosToken, 10});
+  // Before packing the sequence is self-contained: forking it works.
+  eng.step();
+  CHECK(eng.external_tokens(id) == 0);
+  const SeqId fork = eng.fork_sequence(id);
+  eng.free_sequence(fork);
+  for (int s = 0; s < 90 && pol.old_tokens(id) == 0; ++s) eng.step();
+  REQUIRE(pol.old_tokens(id) > 0);
+  for (int s = 0; s < 8; ++s) {  // the engine follows every pack
+    eng.step();
+    REQUIRE(eng.external_tokens(id) == pol.old_tokens(id));
+  }
+  const std::int32_t kv = eng.kv_len(id), pos = eng.position(id), old = pol.old_tokens(id);
+  const std::vector<std::int32_t> pages = eng.pages(id);
+  const std::int32_t in_use = eng.pages_in_use();
+  REQUIRE_THROWS_WITH(eng.fork_sequence(id), Catch::Contains("cannot be forked") &&
+                                                 Catch::Contains(std::to_string(old) + " of its tokens") &&
+                                                 Catch::Contains("policy kvchan"));
+  REQUIRE_THROWS_WITH(engine::finish_turn(eng, cache, "chat", id),
+                      Catch::Contains("cannot be suspended") && Catch::Contains("policy kvchan"));
+  // Nothing changed: the sequence is live with its pages and old tokens, the turn is open.
+  REQUIRE(eng.has_sequence(id));
+  CHECK(eng.num_sequences() == 1);
+  CHECK(eng.kv_len(id) == kv);
+  CHECK(eng.position(id) == pos);
+  CHECK(eng.pages(id) == pages);
+  CHECK(eng.pages_in_use() == in_use);
+  CHECK(pol.old_tokens(id) == old);
+  CHECK(cache.held_pages() == 0);
+  // And it decodes on, every token accounted for.
+  for (int s = 0; s < 8; ++s) {
+    eng.step();
+    CHECK(pol.old_tokens(id) + eng.kv_len(id) == eng.position(id));
+    CHECK(eng.external_tokens(id) == pol.old_tokens(id));
+  }
+  CHECK_THROWS_WITH(eng.set_external_tokens(id, eng.position(id), "x"), Catch::Contains("cannot have"));
 }
 
 TEST_CASE("engine: ThinK scores and no-k runs pack and stay consistent", "[kvchan][engine]") {

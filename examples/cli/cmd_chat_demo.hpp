@@ -25,7 +25,9 @@
 // suspended / resumed compressed (the policy's query window carried, see
 // conversation_host.hpp). It is lossy by design, so outputs_match leaves it out; every
 // conversation way reports the KV bytes its cache holds (kv_bytes_held at the end,
-// kv_bytes_held_peak after any turn) and the R1KV way its compression counters.
+// kv_bytes_held_peak after any turn), the host memory of the policy states it keeps with
+// suspended conversations (state_bytes_held: R1KV's query windows, outside the KV pools)
+// and the R1KV way its compression counters.
 //
 // Entry point: run_chat_demo(argc, argv) with argv[0] == "chat-demo"; returns the exit code
 // (0 ok, 1 library or I/O error, 2 usage error), errors as in the rest of the CLI.
@@ -171,6 +173,7 @@ struct WayResult {
   std::int64_t total_pages = 0;  // sum over conversations of their final history's pages
   std::int64_t kv_bytes_held = -1;       // conversation ways: KV bytes the cache holds at the end
   std::int64_t kv_bytes_held_peak = -1;  // ... and at most after a turn
+  std::int64_t state_bytes_held = -1;    // ... and the policy states kept with them (host memory)
   std::int32_t suspended = 0;            // conversations suspended in memory at the end
   engine::PolicyStats policy_stats;      // the R1KV way's counters
   conversation::Metrics metrics;         // conversation ways
@@ -320,6 +323,7 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   if (cache) res.shared_pages = static_cast<std::int64_t>(cache->metrics().shared_pages);
   if (cache) {
     res.kv_bytes_held = eng.pages_bytes(cache->held_pages());
+    res.state_bytes_held = cache->host_state_bytes();
     res.suspended = cache->suspended();
     res.metrics = cache->metrics();
   }
@@ -459,6 +463,7 @@ inline int run(const Options& o) {
       if (r.kv_bytes_held >= 0) {
         j[r.name]["kv_bytes_held"] = r.kv_bytes_held;
         j[r.name]["kv_bytes_held_peak"] = r.kv_bytes_held_peak;
+        j[r.name]["state_bytes_held"] = r.state_bytes_held;
         j[r.name]["suspended"] = r.suspended;
       }
       if (!r.policy_stats.empty()) {
@@ -501,7 +506,10 @@ inline int run(const Options& o) {
               << (r.shared_pages >= 0 ? ", shared pages " + std::to_string(r.shared_pages) : std::string())
               << (r.kv_bytes_held >= 0 ? ", KV held " + std::to_string(r.kv_bytes_held / 1024) + " KiB for " +
                                              std::to_string(r.suspended) + " suspended (peak " +
-                                             std::to_string(r.kv_bytes_held_peak / 1024) + " KiB)"
+                                             std::to_string(r.kv_bytes_held_peak / 1024) + " KiB)" +
+                                             (r.state_bytes_held > 0 ? " + " + std::to_string(r.state_bytes_held / 1024) +
+                                                                           " KiB of policy state"
+                                                                     : std::string())
                                        : std::string())
               << ", wall " << r.wall_s << " s\n";
   for (const WayResult& r : results)

@@ -124,6 +124,18 @@ class CompositePolicy : public EnginePolicy, public SequenceStateKeeper {
       }
   }
 
+  /// The parts' own state_bytes, summed.
+  std::int64_t state_bytes(const std::any& state) const override {
+    const States* s = std::any_cast<States>(&state);
+    if (s == nullptr) return 0;
+    std::int64_t b = 0;
+    std::size_t i = 0;
+    for (const auto& p : parts_)
+      if (const auto* k = dynamic_cast<const SequenceStateKeeper*>(p.get()))
+        if (i < s->parts.size()) b += k->state_bytes(s->parts[i++]);
+    return b;
+  }
+
   /// Part i, in attach order.
   EnginePolicy& part(std::size_t i) const { return *parts_.at(i); }
   /// The first part of type P (nullptr when none), e.g. find<EpsPolicy>() for its telemetry.

@@ -123,13 +123,18 @@ inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cac
 /// processed tokens (the pending last generated token is the next turn's first new
 /// token), then the request is freed. A sequence that caches fewer than its processed
 /// tokens (compressed) is suspended as a compressed conversation. With a `keeper`, its
-/// state of `seq` is stored with the conversation for the next start_turn.
+/// state of `seq` is stored with the conversation for the next start_turn. A sequence with
+/// tokens held outside the engine's pages (Engine::set_external_tokens: kvchan) throws
+/// kvkit::Error, changing nothing: the turn stays open and the sequence live.
 inline void finish_turn(Engine& eng, conversation::ConversationCache<float>& cache,
                         const std::string& id, SeqId seq, const SequenceStateKeeper* keeper = nullptr) {
+  eng.check_self_contained(seq, "suspended in a conversation cache");  // kvchan: its pool is per sequence
   const std::vector<std::int32_t> done = eng.processed_tokens(seq);
   const std::vector<std::int32_t>& pages = eng.pages(seq);
+  std::any state = keeper != nullptr ? keeper->save_sequence(seq) : std::any();
+  const std::int64_t state_bytes = keeper != nullptr ? keeper->state_bytes(state) : 0;
   cache.suspend(id, done.data(), done.size(), static_cast<std::size_t>(eng.kv_len(seq)), pages.data(),
-                pages.size(), keeper != nullptr ? keeper->save_sequence(seq) : std::any());
+                pages.size(), std::move(state), state_bytes);
   eng.free_sequence(seq);
 }
 

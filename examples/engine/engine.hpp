@@ -294,7 +294,7 @@ class Engine {
   SeqId fork_sequence(SeqId id) {
     KVKIT_CHECK(num_sequences() < opt_.max_batch, "kvkit: batch is full (max_batch ",
                 opt_.max_batch, ")");
-    (void)seq(id);
+    check_self_contained(id, "forked");
     const Status st = ensure_free(
         [&] { return has_sequence(id) && seq(id).kv_len % opt_.page_size != 0 ? 1 : 0; },
         "fork_sequence");
@@ -416,6 +416,28 @@ class Engine {
   std::int32_t position(SeqId id) const { return seq(id).processed; }
   /// Tokens whose K/V are cached (<= position()).
   std::int32_t kv_len(SeqId id) const { return seq(id).kv_len; }
+  /// Declares that policy `holder` keeps `n` of `id`'s processed tokens outside the engine's
+  /// pages (kvchan moves a sequence's old tokens into its own pool and truncates them
+  /// here). Such a sequence is not self-contained: its pages and kv_len do not describe
+  /// its cache, so fork_sequence refuses it, and so does any host that would hand its
+  /// pages on (conversation_host's finish_turn), instead of continuing from a cache
+  /// that silently lacks those tokens. n = 0 clears it.
+  void set_external_tokens(SeqId id, std::int32_t n, const std::string& holder) {
+    Sequence& s = seq(id);
+    KVKIT_CHECK(n >= 0 && n <= s.processed - s.kv_len, "kvkit: sequence ", id, " cannot have ", n,
+                " tokens held outside the engine's pages (position ", s.processed, ", kv_len ", s.kv_len, ")");
+    s.external = n;
+    s.holder = n > 0 ? holder : std::string();
+  }
+  /// Tokens of `id` a policy holds outside the engine's pages (set_external_tokens).
+  std::int32_t external_tokens(SeqId id) const { return seq(id).external; }
+  /// Throws kvkit::Error naming the policy when `id` has tokens outside the engine's pages,
+  /// so it cannot be `what` (forked, suspended) without losing them.
+  void check_self_contained(SeqId id, const char* what) const {
+    const Sequence& s = seq(id);
+    KVKIT_CHECK(s.external == 0, "kvkit: sequence ", id, " cannot be ", what, ": ", s.external,
+                " of its tokens are held by policy ", s.holder, " outside the engine's pages");
+  }
   const std::vector<std::int32_t>& pages(SeqId id) const { return seq(id).pages; }
   /// Logits [vocab] of the sequence's last step; throws before its first step.
   const std::vector<float>& last_logits(SeqId id) const {
@@ -629,6 +651,8 @@ class Engine {
     std::vector<float> logits;  // [vocab] of the last step
     std::int32_t kv_len = 0;
     std::int32_t processed = 0;
+    std::int32_t external = 0;  // tokens a policy holds outside the engine's pages
+    std::string holder;         // that policy's name
   };
 
   struct ExtraPool {

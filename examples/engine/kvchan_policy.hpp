@@ -35,9 +35,10 @@
 // with compensation), reset the stability counters and probe again; when stable again the old tokens are re-packed
 // with the new sets. Then pack whatever left the window.
 //
-// Limits: fork_sequence of a sequence with packed tokens is not supported (the fork has
-// no old tokens; the policy does not see forks); sequences are assumed not to be
-// truncated by another policy.
+// Limits: a sequence with old tokens in the policy's pool is not self-contained, and the
+// engine knows it (Engine::set_external_tokens): fork_sequence and a conversation
+// host's finish_turn throw for it instead of continuing without those tokens.
+// Sequences are assumed not to be truncated by another policy.
 
 #include <algorithm>
 #include <cmath>
@@ -643,6 +644,7 @@ class KvchanPolicy : public EnginePolicy {
     }
     if (keep > 0) eng.notify_rewrite(id, std::vector<std::int32_t>(pages.begin(), pages.begin() + keep));
     eng.truncate_kv(id, len - n_pack);
+    eng.set_external_tokens(id, st.n_old, name());
   }
 
   KvchanOptions opt_;

@@ -156,6 +156,12 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
                 " which already ran a step");
     seqs_.emplace(seq, s->state);
   }
+  /// The query window of a saved state (its float ring plus the fixed fields).
+  std::int64_t state_bytes(const std::any& state) const override {
+    const Saved* s = std::any_cast<Saved>(&state);
+    if (s == nullptr) return 0;
+    return static_cast<std::int64_t>(sizeof(Saved) + s->state.ring.capacity() * sizeof(float));
+  }
   const compressor::Compressor<Scorer>& compressor() const { return comp_; }
   /// Tokens of sequence `id` evicted so far (its position minus its kv_len, for a
   /// sequence that had all its tokens cached before); 0 for an unknown id.

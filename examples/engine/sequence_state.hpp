@@ -30,6 +30,9 @@ class SequenceStateKeeper {
   /// save_sequence() returned `state` (an empty state: nothing to restore). Throws
   /// kvkit::Error for a state this policy did not save or a sequence that already ran.
   virtual void restore_sequence(SeqId seq, const std::any& state) = 0;
+  /// Host memory held by `state` (one this policy's save_sequence() returned; 0 for an
+  /// empty one), so a cache keeping it can count it.
+  virtual std::int64_t state_bytes(const std::any& state) const = 0;
 };
 
 }  // namespace engine

@@ -75,7 +75,10 @@
 //    needs exactly as an uninterrupted run would have it). The cache hands it back
 //    (Resume::state) only on a resume that continues the whole history, and drops it with
 //    the pages otherwise (miss, divergence, eviction, trimming, end); forks copy it. It
-//    does not count against page_budget. Uncompressed conversations may carry state too.
+//    does not count against page_budget (it is host memory, not pages); the host says how
+//    many bytes it takes and host_state_bytes() reports the total held, so a report of
+//    what suspended conversations cost can include it. Uncompressed conversations may
+//    carry state too.
 //
 // The cache talks to the engine only through PageHost (allocate, retain, release,
 // refcount, copy, per-layer pool views for the store), so it depends on no engine. The
@@ -348,12 +351,15 @@ class ConversationCache {
   /// `kv_len` <= n of them (ceil(kv_len / page_size) pages): kv_len < n is a compressed
   /// conversation (see the file comment: resumable only by a prompt extending all n
   /// tokens, never shared nor spilled). `state` (optional) is the host's own state of the
-  /// turn, handed back by the resume that continues it (Resume::state). Throws as suspend()
-  /// does, and for kv_len > n.
+  /// turn, handed back by the resume that continues it (Resume::state), taking
+  /// `state_bytes` of host memory (counted by host_state_bytes() while the cache holds it).
+  /// Throws as suspend() does, and for kv_len > n or state_bytes < 0.
   void suspend(const std::string& id, const std::int32_t* tokens,  // [n]
                std::size_t n, std::size_t kv_len, const std::int32_t* pages,  // [npages]
-               std::size_t npages, std::any state = {}) {
+               std::size_t npages, std::any state = {}, std::int64_t state_bytes = 0) {
     Conv& c = live(id, "suspend");
+    KVKIT_CHECK(state_bytes >= 0, "kvkit: suspend of conversation '", id, "': state_bytes ", state_bytes,
+                " is negative");
     KVKIT_CHECK(c.state == State::kRunning, "kvkit: suspend of conversation '", id, "' which is ",
                 to_string(c.state), ", not running");
     KVKIT_CHECK(kv_len <= n, "kvkit: suspend of conversation '", id, "': kv_len ", kv_len,
@@ -374,6 +380,7 @@ class ConversationCache {
     c.compressed = kv_len < n;
     c.kv_len = kv_len;
     c.host_state = std::move(state);
+    c.host_state_bytes = state_bytes;
     c.n_private = static_cast<std::int32_t>(npages);
     if (p_.share_prefixes) index_pages(c);
     private_refs_ += c.n_private;
@@ -436,6 +443,7 @@ class ConversationCache {
     d.compressed = s.compressed;
     d.kv_len = s.kv_len;
     d.host_state = s.host_state;
+    d.host_state_bytes = s.host_state_bytes;
     d.n_private = s.n_private;  // a copied partial page replaces a private one
     d.turn = s.turn;
     d.last = clock_();
@@ -570,6 +578,13 @@ class ConversationCache {
     auto it = idx_.find(page);
     return it == idx_.end() ? 0 : it->second.holders;
   }
+  /// Bytes of the host states the cache holds (suspend()'s state_bytes of every
+  /// conversation whose state it still keeps; O(conversations)).
+  std::int64_t host_state_bytes() const {
+    std::int64_t b = 0;
+    for (const auto& kv : convs_) b += kv.second.host_state.has_value() ? kv.second.host_state_bytes : 0;
+    return b;
+  }
   /// Distinct pages the cache holds a reference to (O(held)).
   std::int32_t held_pages() const { return static_cast<std::int32_t>(references().size()); }
   /// Suspended conversations, least recently active first (the eviction order).
@@ -590,6 +605,7 @@ class ConversationCache {
     bool compressed = false;           // suspended with kv_len < tokens.size() (see file comment)
     std::size_t kv_len = 0;            // compressed: tokens whose K/V `pages` hold
     std::any host_state;               // suspend()'s state, until a resume takes it
+    std::int64_t host_state_bytes = 0;  // what suspend() said host_state takes
     std::int32_t turn = 0;
     double last = 0.0;
     bool in_lru = false;
