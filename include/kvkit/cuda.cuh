@@ -4,7 +4,8 @@
 // paged_decode_attention, merge_attention_states, gather_tokens, compact_tokens and
 // copy_pages), kvchan's page pack / unpack (channel/pack_pages.hpp,
 // kernels/cuda/kvchan_pack.cuh), the exec::Cuda select of the Compressor policies (compressor/r1kv.hpp,
-// kernels/cuda/r1kv.cuh) and DeviceStatus with reset_device_status / read_device_status /
+// kernels/cuda/r1kv.cuh), the Sketcher's strict box pre-pass (sketch::EpsCudaConfig,
+// kernels/cuda/eps.cuh) and DeviceStatus with reset_device_status / read_device_status /
 // to_status.
 // This is the only header that reaches kernels/cuda; compile it with nvcc and link
 // CUDA::cudart (the kvkit::cuda CMake target does both).
@@ -31,3 +32,4 @@
 #include "kvkit/kernels/cuda/copy_pages.cuh"
 #include "kvkit/kernels/cuda/kvchan_pack.cuh"
 #include "kvkit/kernels/cuda/r1kv.cuh"
+#include "kvkit/kernels/cuda/eps.cuh"

@@ -92,6 +92,7 @@
 #include <string>
 #include <vector>
 
+#include "kvkit/core/config.hpp"
 #include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
@@ -927,7 +928,7 @@ enum BoundSet : unsigned { kBoundsFD = 1, kBoundsJL = 2, kBoundsOnePC = 4, kBoun
 namespace detail {
 /// Float sums of n products, 8 accumulators: |error| <= float_sum_slack(n) · Σ|terms|
 /// (a 2x margin over (n/8 + 8 + 1)·2⁻²⁴).
-inline double float_sum_slack(std::int32_t n) { return (n / 8 + 17) * 1.2e-7; }
+KVKIT_HOST_DEVICE double float_sum_slack(std::int32_t n) { return (n / 8 + 17) * 1.2e-7; }
 }  // namespace detail
 
 namespace detail {
@@ -1047,7 +1048,7 @@ inline void box_bounds_block(const float* mn /* [d] */, const float* mx /* [d] *
 /// Rounding slack of box_bounds_block's sums: float_sum_slack(d)·Σ_d |q_d|·max(|min_d|,
 /// |max_d|) <= float_sum_slack(d)·‖q‖·‖a‖ (Cauchy–Schwarz; a_d = max(|min_d|, |max_d|),
 /// ‖a‖ stored per group rounded up), so the kernel needs no magnitude accumulator.
-inline double box_slack(std::int32_t d, double qnorm, float amax_norm) {
+KVKIT_HOST_DEVICE double box_slack(std::int32_t d, double qnorm, float amax_norm) {
   return float_sum_slack(d) * qnorm * static_cast<double>(amax_norm) * (1 + 1e-12);
 }
 
@@ -1263,25 +1264,26 @@ namespace detail {
 /// Unsigned 128-bit fixed-point mass: the pre-pass's group mass bounds are integers in
 /// units of 2⁻⁹⁶ (relative to the largest bound), so every tail sum is exact and does not
 /// depend on the order it is formed in: a partial selection and a full sort give the
-/// same sums, hence the same decisions, bit for bit.
+/// same sums, hence the same decisions, bit for bit. (Host-device, like quantise_mass,
+/// tail_bound and the slack helpers: the CUDA pre-pass, kernels/cuda/eps.cuh, calls them.)
 struct Mass128 {
   std::uint64_t hi = 0, lo = 0;
-  void add(const Mass128& x) {
+  KVKIT_HOST_DEVICE void add(const Mass128& x) {
     lo += x.lo;
     hi += x.hi + (lo < x.lo ? 1u : 0u);
   }
-  void sub(const Mass128& x) {  // requires *this >= x
+  KVKIT_HOST_DEVICE void sub(const Mass128& x) {  // requires *this >= x
     hi -= x.hi + (lo < x.lo ? 1u : 0u);
     lo -= x.lo;
   }
-  bool zero() const { return hi == 0 && lo == 0; }
+  KVKIT_HOST_DEVICE bool zero() const { return hi == 0 && lo == 0; }
   /// The value times 2⁻⁹⁶ (round to nearest in two steps; monotone in the value).
-  double value() const { return (static_cast<double>(hi) * 0x1p64 + static_cast<double>(lo)) * 0x1p-96; }
+  KVKIT_HOST_DEVICE double value() const { return (static_cast<double>(hi) * 0x1p64 + static_cast<double>(lo)) * 0x1p-96; }
 };
 
 /// Quantised mass bound of a group whose log-mass bound is x = ub − ref <= 0:
 /// ⌈exp(x)·(1 + 2⁻⁵⁰)·2⁹⁶⌉ units, at least one (an upper bound even where exp underflows).
-inline Mass128 quantise_mass(double x) {
+KVKIT_HOST_DEVICE Mass128 quantise_mass(double x) {
   const double w = std::exp(x) * (1 + 0x1p-50);
   double v = std::ceil(w * 0x1p96);
   if (!(v >= 1.0)) v = 1.0;
@@ -1293,7 +1295,7 @@ inline Mass128 quantise_mass(double x) {
 }
 
 /// Upper bound (with a 2⁻⁵⁰ margin) of the mass a tail sum stands for.
-inline double tail_bound(const Mass128& t) { return t.zero() ? 0.0 : t.value() * (1 + 0x1p-50); }
+KVKIT_HOST_DEVICE double tail_bound(const Mass128& t) { return t.zero() ? 0.0 : t.value() * (1 + 0x1p-50); }
 
 /// Result of certified_walk for one (sequence, query head).
 struct WalkResult {

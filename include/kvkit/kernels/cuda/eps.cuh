@@ -1,0 +1,579 @@
+#pragma once
+// The Sketcher's strict pre-pass (sketch/eps.hpp) on CUDA: page summaries built on the
+// device and the certified ε selection, writing the page subsets the page-subset variant
+// of paged_decode_attention reads. Reached through <kvkit/cuda.cuh>.
+//
+// Scope (EpsCudaConfig throws kvkit::Error naming anything else): method box, strict
+// mode, group_pages 1, score_budget 0; last_n, top_pages, eps and the per-(layer, kv
+// head) on/off list as on the CPU. No telemetry (counts are in indptr).
+//
+// Layout (sketch::twin::BoxSummaries, one per layer, caller-owned device memory):
+// box min / max [num_pages, Hkv, d], max‖k‖ and ‖max(|min|, |max|)‖ [num_pages, Hkv] and
+// count [num_pages], indexed by physical page id, so summaries survive page-table
+// rewrites. A page's summary is valid in a view iff count equals the tokens the page
+// holds there; the host calls update_summaries for every page it writes (the decode
+// token's page), rewrites (compaction, copies) or frees (ntok 0), as the CPU store's
+// version numbers do.
+//
+// Kernels, in stream order:
+//   update_summaries: check (pages / ntok in range) then grid (n, Hkv), block 256: threads
+//     over channels (min / max over the page's tokens in token order), over tokens
+//     (round_up ‖k‖), thread 0 the amax norm of the final box.
+//   select: check (page table, pages per sequence <= max_pages), then
+//     prepass  grid batch*Hkv, block 256, one block per (b, kv head), query heads of the
+//              group in turn: classify pages (always visited / candidate, block scans);
+//              exact log-sum-exp of the always-visited tokens (threads compute logits,
+//              thread 0 folds them in token order); bounds of every candidate (a thread
+//              per page); ref = block max; quantised masses; the rank order by a bitonic
+//              sort (O(n log² n / 256) per query head); tail sums by rank (per-thread
+//              chunks, thread-0 suffix over chunks); then every thread runs
+//              twin::walk on the same data (uniform control flow) and the masses it asks
+//              for are computed by all threads (a thread per page) behind a barrier.
+//              Visit flags are OR-ed over the group (the GQA union).
+//     emit     grid batch*Hkv, block 256: offset = Σ counts before the block, indptr,
+//              ascending page indices by a block scan of the visit flags.
+// The per-item arithmetic is sketch/eps_twin.hpp's (shared with the host test), following
+// the CPU's order with non-contracted IEEE operations, so summaries are equal bit for bit
+// and the subsets equal the CPU's except where a stop test sits within ~1 ulp of CUDA's
+// exp vs glibc's (see eps_twin.hpp). Nothing is allocated or synchronised on the run path
+// (workspace via workspace_size), so a decode step can be captured in a CUDA graph.
+//
+// Limits (first version, not yet measured on a GPU): the always-visited tokens' exps are
+// folded serially by one thread (cheap for last_n pages, slow when many pages have no
+// summary); every thread of a block runs the walk's serial mass sum (O(pages visited)
+// per query head); one block per (b, kv head) whatever the sequence length; the update
+// list must hold distinct page ids. Verified without a GPU by tests/test_eps_twin.cpp
+// (the per-item functions and the host schedule against SketchSelector) and
+// scripts/eps_cuda_emulation (these kernels run on host threads); tests/cuda/test_eps_cuda
+// runs them on a GPU.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvkit/kernels/cuda/common.cuh"
+#include "kvkit/sketch/eps.hpp"
+#include "kvkit/sketch/eps_twin.hpp"
+
+namespace kvkit {
+namespace cuda_detail {
+
+inline constexpr int kEpsThreads = 256;
+
+/// failed(st) read once per block, so a block with barriers returns as a whole.
+KVKIT_DEVICE bool eps_block_failed(const DeviceStatus* st) {
+  __shared__ bool stop;
+  if (threadIdx.x == 0) stop = failed(st);
+  __syncthreads();
+  return stop;
+}
+
+/// Exclusive prefix sum of v over the block; *total gets the sum (every thread calls it).
+KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsThreads] shared */, int* total) {
+  const int t = static_cast<int>(threadIdx.x);
+  sh[t] = v;
+  __syncthreads();
+  for (int off = 1; off < kEpsThreads; off *= 2) {
+    const int x = t >= off ? sh[t - off] : 0;
+    __syncthreads();
+    sh[t] += x;
+    __syncthreads();
+  }
+  const int incl = sh[t];
+  *total = sh[kEpsThreads - 1];
+  __syncthreads();
+  return incl - v;
+}
+
+/// Per-(b, kv head) scratch of the pre-pass, max_pages entries per block.
+struct EpsScratch {
+  std::int32_t* cand = nullptr;     // [nb, M] candidate pages, ascending
+  std::int32_t* alw = nullptr;      // [nb, M] always-visited pages, ascending
+  std::int32_t* ord = nullptr;      // [nb, pow2 >= M] candidate at each rank (sort buffer)
+  double* ub = nullptr;             // [nb, M] log-mass bounds
+  sketch::detail::Mass128* w = nullptr;     // [nb, M] quantised masses
+  sketch::detail::Mass128* tail = nullptr;  // [nb, M + 1] tail sums by rank
+  double* mass = nullptr;           // [nb, M] exact relative masses by rank
+  std::uint8_t* visit = nullptr;    // [nb, M] 1: page read
+  std::int32_t* count = nullptr;    // [nb] pages read
+  std::int32_t* np = nullptr;       // [nb] pages of the sequence
+};
+
+/// Page ids and token counts of an update list within range.
+template <class Unused = void>
+__global__ void eps_check_update_kernel(const std::int32_t* pages,  // [n]
+                                               const std::int32_t* ntok,   // [n]
+                                               std::int32_t n, std::int32_t num_pages,
+                                               std::int32_t page_size, DeviceStatus* st) {
+  if (failed(st)) return;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int32_t p = pages[i], c = ntok[i];
+    if (p < 0 || p >= num_pages)
+      report(st, StatusCode::kOutOfRange, DeviceCheck::kPageId, p, i, -1, num_pages);
+    else if (c < 0 || c > page_size)  // (message says [1, page_size]; 0 is allowed: invalidate)
+      report(st, StatusCode::kOutOfRange, DeviceCheck::kLastPageLen, c, i, -1, page_size);
+  }
+}
+
+/// Summaries of page pages[blockIdx.x] (ntok[blockIdx.x] tokens), kv head blockIdx.y.
+template <class T>
+__global__ void __launch_bounds__(kEpsThreads)
+    eps_update_kernel(PagedKVView<T> view, sketch::twin::BoxSummaries s,
+                      const std::int32_t* pages,  // [n]
+                      const std::int32_t* ntok,   // [n]
+                      const DeviceStatus* st) {
+  __shared__ float norms[kEpsThreads];
+  if (eps_block_failed(st)) return;
+  namespace tw = sketch::twin;
+  const std::int32_t pid = pages[blockIdx.x], n = ntok[blockIdx.x], h = blockIdx.y, d = s.head_dim;
+  const std::int64_t r = s.row(pid, h);
+  const T* k0 = view.k_data + view.k_offset(pid, 0, h);
+  for (std::int32_t c = threadIdx.x; c < d; c += blockDim.x)
+    tw::box_channel(k0, view.k_stride_token, n, c, s.box_min + r * d + c, s.box_max + r * d + c);
+  float m = 0.f;
+  for (std::int32_t t = threadIdx.x; t < n; t += blockDim.x) {
+    const float x = tw::key_norm_up(k0 + t * view.k_stride_token, d);
+    m = m < x ? x : m;
+  }
+  norms[threadIdx.x] = m;
+  __syncthreads();  // also publishes the box to thread 0
+  if (threadIdx.x != 0) return;
+  float mm = 0.f;  // max of non-negative floats: any order gives the same bits
+  for (int i = 0; i < kEpsThreads; ++i) mm = mm < norms[i] ? norms[i] : mm;
+  s.max_norm[r] = mm;
+  s.amax_norm[r] = tw::amax_norm_up(s.box_min + r * d, s.box_max + r * d, d);
+  if (h == 0) s.count[pid] = n;
+}
+
+/// Empty summaries (box ±inf, norms 0, count 0) for every page and head.
+template <class Unused = void>
+__global__ void eps_reset_kernel(sketch::twin::BoxSummaries s, const DeviceStatus* st) {
+  if (failed(st)) return;
+  const std::int64_t rows = static_cast<std::int64_t>(s.num_pages) * s.num_kv_heads;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * s.head_dim;
+       i += stride) {
+    s.box_min[i] = HUGE_VALF;
+    s.box_max[i] = -HUGE_VALF;
+    if (i < rows) {
+      s.max_norm[i] = 0.f;
+      s.amax_norm[i] = 0.f;
+    }
+    if (i < s.num_pages) s.count[i] = 0;
+  }
+}
+
+/// The page table of every sequence, and pages per sequence <= max_pages.
+template <class T>
+__global__ void eps_check_prepass_kernel(PagedKVView<T> view, std::int32_t max_pages, DeviceStatus* st) {
+  if (failed(st)) return;
+  for (std::int64_t b = blockIdx.x; b < view.batch_size; b += gridDim.x) {
+    const std::int32_t n = check_sequence_pages_dev(view, static_cast<std::int32_t>(b), st, threadIdx.x == 0,
+                                                    threadIdx.x, blockDim.x);
+    if (threadIdx.x == 0 && n > max_pages)
+      report(st, StatusCode::kInvalidArgument, DeviceCheck::kRowTooShort, n, -1, b, max_pages);
+  }
+}
+
+/// One block per (sequence b, kv head h): the visit flags of b's pages for h (the union
+/// over h's query heads) and the omitted-mass bound of each query head.
+template <class T>
+__global__ void __launch_bounds__(kEpsThreads)
+    eps_prepass_kernel(PagedKVView<T> view, const T* q,  // [batch, Hq, d]
+                       std::int32_t hq, sketch::twin::BoxSummaries s, sketch::twin::PrepassArgs a,
+                       std::int32_t max_pages, EpsScratch ws,
+                       double* omitted,  // [batch, Hq]
+                       const DeviceStatus* st) {
+  namespace tw = sketch::twin;
+  using sketch::detail::Mass128;
+  extern __shared__ float qf[];  // [d]
+  __shared__ int scan[kEpsThreads];
+  __shared__ double red[kEpsThreads];
+  __shared__ unsigned long long red_hi[kEpsThreads], red_lo[kEpsThreads];
+  __shared__ double sh_mx, sh_s, sh_qn;
+  if (eps_block_failed(st)) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
+  const std::int32_t d = view.head_dim, P = view.page_size, grp = hq / hkv;
+  const std::int32_t np = view.num_pages(b), len = view.seq_len(b);
+  const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
+  std::int32_t* cand = ws.cand + base;
+  std::int32_t* alw = ws.alw + base;
+  std::int32_t* ord = ws.ord + static_cast<std::size_t>(bh) * tw::pow2_at_least(max_pages);
+  double* ub = ws.ub + base;
+  Mass128* w = ws.w + base;
+  Mass128* tail = ws.tail + static_cast<std::size_t>(bh) * (max_pages + 1);
+  double* mass = ws.mass + base;
+  std::uint8_t* visit = ws.visit + base;
+  if (tid == 0) ws.np[bh] = np;
+  const bool on = tw::head_is_on(a.head_mask, h);
+  auto ntok_of = [&](std::int32_t j) { return len - j * P < P ? len - j * P : P; };
+
+  // Classify b's pages; candidates and always-visited pages in ascending order.
+  std::int32_t nc = 0, na = 0;
+  for (std::int32_t j0 = 0; j0 < np; j0 += kEpsThreads) {
+    const std::int32_t j = j0 + tid;
+    int is_a = 0;
+    if (j < np) {
+      is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), ntok_of(j)) ? 1 : 0;
+      visit[j] = static_cast<std::uint8_t>(is_a);
+    }
+    const int is_c = j < np ? 1 - is_a : 0;
+    int tot = 0;
+    const int pc = eps_block_scan(is_c, scan, &tot);
+    if (is_c) cand[nc + pc] = j;
+    nc += tot;
+    const int pa = eps_block_scan(is_a, scan, &tot);
+    if (is_a) alw[na + pa] = j;
+    na += tot;
+  }
+
+  for (std::int32_t gq = 0; on && gq < grp; ++gq) {
+    const std::int32_t qh = h * grp + gq;
+    const T* qp = q + (static_cast<std::int64_t>(b) * hq + qh) * d;
+    for (std::int32_t c = tid; c < d; c += kEpsThreads) qf[c] = to_float(qp[c]);
+    __syncthreads();
+    // Exact log-sum-exp of the always-visited tokens, folded in token order by thread 0.
+    double mx = -HUGE_VAL, S = 0;
+    const std::int64_t flat = static_cast<std::int64_t>(na) * P;
+    for (std::int64_t f0 = 0; f0 < flat; f0 += kEpsThreads) {
+      const std::int64_t f = f0 + tid;
+      int ok = 0;
+      if (f < flat) {
+        const std::int32_t t = alw[f / P] * P + static_cast<std::int32_t>(f % P);
+        if (t < len) {
+          red[tid] = tw::dmul(a.scale, tw::logit_lo(qf, view.k_ptr(b, t, h), d));
+          ok = 1;
+        }
+      }
+      scan[tid] = ok;
+      __syncthreads();
+      if (tid == 0)
+        for (int i = 0; i < kEpsThreads && f0 + i < flat; ++i)
+          if (scan[i]) tw::online_step(red[i], &mx, &S);
+      __syncthreads();
+    }
+    if (tid == 0) {
+      sh_mx = mx;
+      sh_s = S;
+      sh_qn = tw::qnorm_of(qf, d);
+    }
+    __syncthreads();
+    mx = sh_mx;
+    S = sh_s;
+    const double qn = sh_qn;
+    // Bounds of every candidate; ref = max(mx, every bound).
+    double lm = -HUGE_VAL;
+    for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
+      const std::int32_t j = cand[i];
+      const std::int64_t r = s.row(view.page_id(b, j), h);
+      const double u = tw::box_norm_bound(s.box_min + r * d, s.box_max + r * d, d, qf, qn, s.amax_norm[r], s.max_norm[r]);
+      ub[i] = tw::log_mass_bound(ntok_of(j), P, a.log_full, a.scale, u);
+      lm = lm < ub[i] ? ub[i] : lm;
+    }
+    red[tid] = lm;
+    __syncthreads();
+    for (int k = kEpsThreads / 2; k > 0; k /= 2) {
+      if (tid < k && red[tid] < red[tid + k]) red[tid] = red[tid + k];
+      __syncthreads();
+    }
+    const double ref = mx < red[0] ? red[0] : mx;
+    __syncthreads();
+    if (!(S > 0) || !isfinite(mx)) {  // nothing always visited: visit everything
+      for (std::int32_t i = tid; i < nc; i += kEpsThreads) visit[cand[i]] = 1;
+      if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = 0;
+      __syncthreads();
+      continue;
+    }
+    // Quantised masses; the rank order by a bitonic sort of the candidates (padded to a
+    // power of two with -1, which sorts last).
+    const std::int32_t n2 = tw::pow2_at_least(nc);
+    for (std::int32_t i = tid; i < n2; i += kEpsThreads) {
+      if (i < nc) w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
+      ord[i] = i < nc ? i : -1;
+    }
+    __syncthreads();
+    for (std::int32_t k = 2; k <= n2; k <<= 1)
+      for (std::int32_t j = k >> 1; j > 0; j >>= 1) {
+        for (std::int32_t i = tid; i < n2; i += kEpsThreads) tw::bitonic_step(ord, ub, k, j, i);
+        __syncthreads();
+      }
+    // Tail sums by rank: thread t sums ranks [t·per, (t+1)·per), thread 0 turns the chunk
+    // sums into suffixes, then each thread fills its chunk (exact integers: any order).
+    const std::int32_t per = (nc + kEpsThreads - 1) / kEpsThreads;
+    const std::int32_t r0 = tid * per < nc ? tid * per : nc, r1 = r0 + per < nc ? r0 + per : nc;
+    Mass128 loc;
+    for (std::int32_t r = r0; r < r1; ++r) loc.add(w[ord[r]]);
+    red_hi[tid] = loc.hi;
+    red_lo[tid] = loc.lo;
+    __syncthreads();
+    if (tid == 0) {
+      Mass128 acc;
+      for (int t = kEpsThreads - 1; t >= 0; --t) {
+        Mass128 x;
+        x.hi = red_hi[t];
+        x.lo = red_lo[t];
+        red_hi[t] = acc.hi;
+        red_lo[t] = acc.lo;
+        acc.add(x);
+      }
+      tail[nc] = Mass128{};
+    }
+    __syncthreads();
+    Mass128 tt;
+    tt.hi = red_hi[tid];
+    tt.lo = red_lo[tid];
+    for (std::int32_t r = r1 - 1; r >= r0; --r) {
+      tt.add(w[ord[r]]);
+      tail[r] = tt;
+    }
+    __syncthreads();
+    const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
+    const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
+    const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps, mass, kEpsThreads, [&](std::int32_t from, std::int32_t to) {
+      for (std::int32_t r = from + tid; r < to; r += kEpsThreads) {
+        const std::int32_t j = cand[ord[r]];
+        mass[r] = tw::page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d, a.scale, ref);
+      }
+      __syncthreads();
+    });
+    for (std::int32_t r = tid; r < res.visited; r += kEpsThreads) visit[cand[ord[r]]] = 1;
+    if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = res.omitted;
+    __syncthreads();
+  }
+  // Pages read.
+  int c = 0;
+  for (std::int32_t j = tid; j < np; j += kEpsThreads) c += visit[j];
+  int tot = 0;
+  (void)eps_block_scan(c, scan, &tot);
+  if (tid == 0) ws.count[bh] = tot;
+  if (!on)
+    for (std::int32_t gq = tid; gq < grp; gq += kEpsThreads) omitted[static_cast<std::int64_t>(b) * hq + h * grp + gq] = 0;
+}
+
+/// indptr / subset of block (b, kv head) from the visit flags.
+template <class Unused = void>
+__global__ void __launch_bounds__(kEpsThreads)
+    eps_emit_kernel(std::int32_t max_pages, EpsScratch ws,
+                    std::int32_t* indptr,  // [nb + 1]
+                    std::int32_t* subset,  // [indptr[nb]]
+                    const DeviceStatus* st) {
+  __shared__ int scan[kEpsThreads];
+  if (eps_block_failed(st)) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::int32_t bh = blockIdx.x;
+  int part = 0;
+  for (std::int32_t i = tid; i < bh; i += kEpsThreads) part += ws.count[i];
+  int off = 0;
+  (void)eps_block_scan(part, scan, &off);
+  if (tid == 0) {
+    indptr[bh + 1] = off + ws.count[bh];
+    if (bh == 0) indptr[0] = 0;
+  }
+  const std::uint8_t* visit = ws.visit + static_cast<std::size_t>(bh) * max_pages;
+  const std::int32_t np = ws.np[bh];
+  for (std::int32_t j0 = 0; j0 < np; j0 += kEpsThreads) {
+    const std::int32_t j = j0 + tid;
+    const int f = j < np ? visit[j] : 0;
+    int tot = 0;
+    const int p = eps_block_scan(f, scan, &tot);
+    if (f) subset[off + p] = j;
+    off += tot;
+  }
+}
+
+}  // namespace cuda_detail
+
+namespace sketch {
+
+/// Sizes the CUDA pre-pass's workspace and output arrays are built for.
+struct EpsCudaShape {
+  std::int32_t max_batch = 0;     // sequences per call
+  std::int32_t num_kv_heads = 0;  // Hkv
+  std::int32_t max_pages = 0;     // pages per sequence; subset holds max_batch*Hkv*max_pages entries
+};
+
+/// The strict box pre-pass of SketchParams p on CUDA (see the file comment). The
+/// constructor throws kvkit::Error naming any setting the CUDA twin does not support;
+/// the operations return a Status and never allocate or synchronise.
+class EpsCudaConfig {
+ public:
+  explicit EpsCudaConfig(const SketchParams& p) : p_(p) {
+    p_.validate();
+    KVKIT_CHECK(p_.group_pages == 1, "eps cuda: unsupported group_pages ", p_.group_pages,
+                " (CUDA summaries are per page: group_pages 1)");
+    KVKIT_CHECK(p_.strict, "eps cuda: unsupported mode: default (estimate) mode; only strict is on CUDA");
+    KVKIT_CHECK(p_.method == SketchMethod::kBox, "eps cuda: unsupported method ", to_string(p_.method),
+                " in strict mode (only box is on CUDA)");
+    KVKIT_CHECK(p_.score_budget == 0, "eps cuda: unsupported score_budget ", p_.score_budget, " (only 0 is on CUDA)");
+  }
+  const SketchParams& params() const { return p_; }
+
+  /// Bytes of scratch select() needs for `shape`.
+  std::size_t workspace_size(const EpsCudaShape& shape) const {
+    const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(shape.num_kv_heads);
+    const std::size_t m = static_cast<std::size_t>(shape.max_pages);
+    const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
+    return WorkspaceSizer()
+        .add<std::int32_t>(nb * m)
+        .add<std::int32_t>(nb * m)
+        .add<std::int32_t>(nb * m2)
+        .add<double>(nb * m)
+        .add<detail::Mass128>(nb * m)
+        .add<detail::Mass128>(nb * (m + 1))
+        .add<double>(nb * m)
+        .add<std::uint8_t>(nb * m)
+        .add<std::int32_t>(nb)
+        .add<std::int32_t>(nb)
+        .bytes();
+  }
+
+  /// Empties every summary of s (all pages invalid) on ex.stream.
+  Status reset_summaries(exec::Cuda ex, const twin::BoxSummaries& s) const {
+    constexpr const char* kOp = "eps cuda reset_summaries";
+    KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, kOp));
+    KVKIT_RETURN_IF_ERROR(check_summaries(s, kOp));
+    const std::int64_t total = static_cast<std::int64_t>(s.num_pages) * s.num_kv_heads * s.head_dim;
+    cuda_detail::eps_reset_kernel<><<<cuda_detail::grid_for(total), cuda_detail::kCopyThreads, 0,
+                                    cuda_detail::stream_of(ex)>>>(s, ex.status);
+    return cuda_detail::launch_status(kOp);
+  }
+
+  /// Re-summarises pages[i] (physical ids, distinct) of `view`'s K pool, holding ntok[i]
+  /// tokens (0: invalidate the page), every kv head. Call it for every page written,
+  /// rewritten or freed since the last select. Device checks: ids in
+  /// [0, min(view.num_pages_total, s.num_pages)) (kPageId), ntok in [0, page_size]
+  /// (kLastPageLen); on error nothing is written.
+  template <class T>
+  Status update_summaries(exec::Cuda ex, const PagedKVView<T>& view, const twin::BoxSummaries& s,
+                          const std::int32_t* pages,  // [n] device
+                          const std::int32_t* ntok,   // [n] device
+                          std::int32_t n) const {
+    constexpr const char* kOp = "eps cuda update_summaries";
+    KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, kOp));
+    KVKIT_RETURN_IF_ERROR(check_summaries(s, kOp));
+    KVKIT_CHECK_STATUS(view.space == MemorySpace::kCuda && view.k_data != nullptr, StatusCode::kInvalidArgument, kOp,
+                       ": the view must be a CUDA view with K data");
+    KVKIT_CHECK_STATUS(view.num_kv_heads == s.num_kv_heads && view.head_dim == s.head_dim,
+                       StatusCode::kInvalidArgument, kOp, ": view has ", view.num_kv_heads, " kv heads of ",
+                       view.head_dim, ", summaries ", s.num_kv_heads, " of ", s.head_dim);
+    KVKIT_CHECK_STATUS(n >= 0 && s.num_kv_heads <= 65535, StatusCode::kInvalidArgument, kOp, ": bad count ", n,
+                       " or kv heads ", s.num_kv_heads);
+    if (n == 0) return Status::ok();
+    KVKIT_CHECK_STATUS(pages != nullptr && ntok != nullptr, StatusCode::kInvalidArgument, kOp, ": pages or ntok is null");
+    cudaStream_t stream = cuda_detail::stream_of(ex);
+    const std::int32_t bound = view.num_pages_total < s.num_pages ? view.num_pages_total : s.num_pages;
+    cuda_detail::eps_check_update_kernel<><<<cuda_detail::grid_for(n), cuda_detail::kCopyThreads, 0, stream>>>(
+        pages, ntok, n, bound, view.page_size, ex.status);
+    KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
+    cuda_detail::eps_update_kernel<T><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(s.num_kv_heads)),
+                                        cuda_detail::kEpsThreads, 0, stream>>>(view, s, pages, ntok, ex.status);
+    return cuda_detail::launch_status(kOp);
+  }
+
+  /// The pre-pass of layer `layer` for queries q [batch, Hq, d] scaled by sm_scale:
+  /// indptr [batch*Hkv + 1] and subset (ascending logical page indices per (b, kv head),
+  /// SketchSelector::indptr() / subset()'s format, read by paged_decode_attention's page
+  /// subset), omitted [batch, Hq] (the certified omitted-mass bounds,
+  /// SketchSelector::omitted_bound). s must be up to date for the view (update_summaries).
+  /// Host checks (kInvalidArgument): shapes against `shape` and s, null pointers, a small
+  /// workspace. Device checks: the page table, pages per sequence <= shape.max_pages.
+  template <class T>
+  Status select(exec::Cuda ex, std::int32_t layer, const PagedKVView<T>& view,
+                const T* q,  // [batch, Hq, d] device
+                std::int32_t num_qo_heads, float sm_scale, const twin::BoxSummaries& s, const EpsCudaShape& shape,
+                std::int32_t* indptr,  // [batch*Hkv + 1] device
+                std::int32_t* subset,  // [batch*Hkv*max_pages] device
+                double* omitted,       // [batch, Hq] device
+                Workspace ws) const {
+    constexpr const char* kOp = "eps cuda select";
+    namespace cd = cuda_detail;
+    KVKIT_RETURN_IF_ERROR(cd::check_status_ptr(ex, kOp));
+    KVKIT_RETURN_IF_ERROR(check_summaries(s, kOp));
+    const std::int32_t hkv = view.num_kv_heads;
+    KVKIT_CHECK_STATUS(view.space == MemorySpace::kCuda && view.k_data != nullptr, StatusCode::kInvalidArgument, kOp,
+                       ": the view must be a CUDA view with K data");
+    KVKIT_CHECK_STATUS(hkv == s.num_kv_heads && hkv == shape.num_kv_heads && view.head_dim == s.head_dim &&
+                           view.batch_size >= 0 && view.batch_size <= shape.max_batch && shape.max_pages > 0 &&
+                           shape.max_pages <= (1 << 30),
+                       StatusCode::kInvalidArgument, kOp, ": view (batch ", view.batch_size, ", kv heads ", hkv,
+                       ", head_dim ", view.head_dim, ") does not fit the shape (batch ", shape.max_batch,
+                       ", kv heads ", shape.num_kv_heads, ", pages ", shape.max_pages, ") or summaries (kv heads ",
+                       s.num_kv_heads, ", head_dim ", s.head_dim, ")");
+    KVKIT_CHECK_STATUS(view.num_pages_total <= s.num_pages, StatusCode::kInvalidArgument, kOp, ": view pool has ",
+                       view.num_pages_total, " pages, summaries ", s.num_pages);
+    KVKIT_CHECK_STATUS(num_qo_heads > 0 && num_qo_heads % hkv == 0, StatusCode::kInvalidArgument, kOp,
+                       ": num_qo_heads ", num_qo_heads, " is not a positive multiple of ", hkv);
+    KVKIT_CHECK_STATUS(std::isfinite(sm_scale) && sm_scale > 0.f, StatusCode::kInvalidArgument, kOp, ": sm_scale ",
+                       sm_scale, " must be finite and > 0");
+    KVKIT_CHECK_STATUS(indptr != nullptr && subset != nullptr && omitted != nullptr && (q != nullptr || view.batch_size == 0),
+                       StatusCode::kInvalidArgument, kOp, ": q, indptr, subset or omitted is null");
+    std::uint64_t mask = ~0ull;
+    if (!p_.head_on.empty()) {
+      KVKIT_CHECK_STATUS(hkv <= 64 && layer >= 0 && static_cast<std::size_t>(layer + 1) * hkv <= p_.head_on.size(),
+                         StatusCode::kInvalidArgument, kOp, ": layer ", layer, " / kv heads ", hkv,
+                         " outside head_on (at most 64 kv heads)");
+      mask = 0;
+      for (std::int32_t h = 0; h < hkv; ++h)
+        if (p_.head_on[static_cast<std::size_t>(layer) * hkv + h]) mask |= 1ull << h;
+    }
+    KVKIT_RETURN_IF_ERROR(cd::check_table_ptrs(view));
+    const std::size_t need = workspace_size(shape);
+    KVKIT_CHECK_STATUS(ws.data != nullptr && ws.bytes >= need, StatusCode::kInvalidArgument, kOp, ": workspace of ",
+                       ws.bytes, " bytes is smaller than the ", need, " bytes needed");
+    const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(hkv);
+    const std::size_t m = static_cast<std::size_t>(shape.max_pages);
+    WorkspaceCarver c(ws);
+    cd::EpsScratch sc;
+    sc.cand = c.take<std::int32_t>(nb * m);
+    sc.alw = c.take<std::int32_t>(nb * m);
+    sc.ord = c.take<std::int32_t>(nb * static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)));
+    sc.ub = c.take<double>(nb * m);
+    sc.w = c.take<detail::Mass128>(nb * m);
+    sc.tail = c.take<detail::Mass128>(nb * (m + 1));
+    sc.mass = c.take<double>(nb * m);
+    sc.visit = c.take<std::uint8_t>(nb * m);
+    sc.count = c.take<std::int32_t>(nb);
+    sc.np = c.take<std::int32_t>(nb);
+    KVKIT_CHECK_STATUS(sc.np != nullptr, StatusCode::kInvalidArgument, kOp, ": workspace of ", ws.bytes,
+                       " bytes is too small");
+    cudaStream_t stream = cd::stream_of(ex);
+    const std::int64_t blocks = static_cast<std::int64_t>(view.batch_size) * hkv;
+    if (blocks == 0) return cd::cuda_status(cudaMemsetAsync(indptr, 0, sizeof(std::int32_t), stream), kOp);
+    KVKIT_CHECK_STATUS(blocks <= 2147483647LL, StatusCode::kInvalidArgument, kOp, ": batch x kv heads ", blocks,
+                       " exceeds the CUDA grid limit");
+    cd::eps_check_prepass_kernel<T><<<static_cast<unsigned>(view.batch_size < 1024 ? view.batch_size : 1024),
+                                      cd::kEpsThreads, 0, stream>>>(view, shape.max_pages, ex.status);
+    KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
+    twin::PrepassArgs a;
+    a.eps = p_.eps;
+    a.last_n = p_.last_n;
+    a.top_pages = p_.top_pages;
+    a.head_mask = mask;
+    a.scale = static_cast<double>(sm_scale);
+    a.log_full = std::log(static_cast<double>(view.page_size));  // the CPU's log_full (g = 1)
+    const std::size_t smem = static_cast<std::size_t>(view.head_dim) * sizeof(float);
+    cd::eps_prepass_kernel<T><<<static_cast<unsigned>(blocks), cd::kEpsThreads, smem, stream>>>(
+        view, q, num_qo_heads, s, a, shape.max_pages, sc, omitted, ex.status);
+    KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
+    cd::eps_emit_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(shape.max_pages, sc, indptr,
+                                                                                        subset, ex.status);
+    return cd::launch_status(kOp);
+  }
+
+ private:
+  static Status check_summaries(const twin::BoxSummaries& s, const char* op) {
+    KVKIT_CHECK_STATUS(s.box_min != nullptr && s.box_max != nullptr && s.max_norm != nullptr &&
+                           s.amax_norm != nullptr && s.count != nullptr && s.num_pages > 0 && s.num_kv_heads > 0 &&
+                           s.head_dim > 0,
+                       StatusCode::kInvalidArgument, op, ": summaries need all five arrays and positive sizes (pages ",
+                       s.num_pages, ", kv heads ", s.num_kv_heads, ", head_dim ", s.head_dim, ")");
+    return Status::ok();
+  }
+
+  SketchParams p_;
+};
+
+}  // namespace sketch
+}  // namespace kvkit

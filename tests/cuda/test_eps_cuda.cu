@@ -1,0 +1,269 @@
+// The Sketcher's strict pre-pass on CUDA (kernels/cuda/eps.cuh) against its CPU twin
+// (sketch/eps.hpp): random paged K (float and half, ragged batches, partial last pages,
+// shuffled physical pages, NHD / HND, CSR / block table, Hq/Hkv = 3 and 4, needles, some
+// pages without a summary, heads switched off, top_pages caps). Summaries built on the
+// device equal SketchStore's bit for bit; the device's indptr / subset equal
+// SketchSelector's exactly; the omitted-mass bounds agree (see the tolerance below); and
+// page-subset decode attention over the device's subset equals the CPU attention over the
+// CPU's subset. Without a GPU every case prints "skipped: no GPU".
+//
+// Why page sets are compared exactly and omitted bounds to 1e-11 relative: every value
+// feeding a decision is computed with the CPU's operations in the CPU's order
+// (sketch/eps_twin.hpp, verified bit for bit on the host by test_eps_twin) except exp,
+// where CUDA's double exp may differ from glibc's by 1 ulp. That perturbs each mass term
+// by <= 2^-52 relative, so every sum (S, the tail sums) by <= 2^-52 + the n·2^-53 of its
+// own roundings (n <= 5000 tokens here): < 2e-12 relative. The omitted bound t/(t+S) inherits
+// that; a page decision flips only when a stop test lies within that margin of its
+// threshold, which random continuous inputs hit with probability ~1e-12 per test.
+
+#include <kvkit/cuda.cuh>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda_test_util.cuh"
+#include "reference.hpp"
+
+namespace sk = kvkit::sketch;
+using kvkit::test::DeviceBuffer;
+
+namespace {
+
+template <class T>
+struct DevicePool {
+  explicit DevicePool(const kvkit::test::RandomPool<T>& p)
+      : k(p.k), v(p.v), indptr(p.indptr), indices(p.indices), last_page_len(p.last_page_len),
+        block_table(p.block_table), seq_lens(p.seq_lens) {
+    view = p.make_view_over(k.get(), v.get(),
+                            kvkit::test::TableArrays{indptr.get(), indices.get(), last_page_len.get(),
+                                                     block_table.get(), seq_lens.get()},
+                            kvkit::MemorySpace::kCuda);
+  }
+  DeviceBuffer<T> k, v;
+  DeviceBuffer<std::int32_t> indptr, indices, last_page_len, block_table, seq_lens;
+  kvkit::PagedKVView<T> view;
+};
+
+// Pages with their own log-normal scale and offset (bounds differ and prune), and needles
+// (a key 2.5 q of the kv head's first query head).
+template <class T>
+kvkit::test::RandomPool<T> make_pool(const std::vector<std::int32_t>& lens, std::int32_t hkv, std::int32_t d,
+                                     std::int32_t P, std::mt19937_64& rng, const std::vector<float>& q,
+                                     std::int32_t hq) {
+  kvkit::test::PoolSpec spec;
+  spec.num_kv_heads = hkv;
+  spec.head_dim = d;
+  spec.page_size = P;
+  spec.seq_lens = lens;
+  spec.layout = rng() % 2 ? kvkit::KVLayout::kNHD : kvkit::KVLayout::kHND;
+  spec.table = rng() % 2 ? kvkit::PageTableKind::kCsr : kvkit::PageTableKind::kBlockTable;
+  kvkit::test::RandomPool<T> pool(spec, rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const float spread = 0.3f + 1.5f * static_cast<float>(rng() % 100) / 100.f;
+  for (std::int32_t b = 0; b < pool.view.batch_size; ++b)
+    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
+      const float sc = std::exp(spread * nd(rng));
+      const std::int32_t end = std::min(pool.view.seq_len(b), (pg + 1) * P);
+      for (std::int32_t h = 0; h < hkv; ++h) {
+        const float off = 0.5f * nd(rng);
+        for (std::int32_t t = pg * P; t < end; ++t) {
+          T* k = pool.view.k_ptr(b, t, h);
+          for (std::int32_t c = 0; c < d; ++c) k[c] = kvkit::from_float<T>(off + sc * kvkit::to_float(k[c]));
+        }
+        if (rng() % 6 == 0) {
+          const std::int32_t t = pg * P + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(end - pg * P));
+          const float* qq = q.data() + (static_cast<std::size_t>(b) * hq + h * (hq / hkv)) * d;
+          T* k = pool.view.k_ptr(b, t, h);
+          for (std::int32_t c = 0; c < d; ++c) k[c] = kvkit::from_float<T>(2.5f * qq[c]);
+        }
+      }
+    }
+  return pool;
+}
+
+template <class T>
+void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& pruned) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const std::int32_t hkv = 2, grp = rng() % 2 ? 3 : 4, hq = hkv * grp;
+  const std::int32_t d = std::vector<std::int32_t>{16, 13, 32, 64, 128}[rng() % 5];
+  const std::int32_t P = rng() % 2 ? 8 : 16;
+  const std::int32_t batch = 1 + static_cast<std::int32_t>(rng() % 4);
+  std::vector<std::int32_t> lens;
+  const std::int32_t max_len = rng() % 2 ? 1500 : 5000;  // > 256 pages: every tile / chunk boundary
+  for (std::int32_t b = 0; b < batch; ++b) lens.push_back(static_cast<std::int32_t>(rng() % max_len));
+  std::vector<float> qv(static_cast<std::size_t>(batch) * hq * d);
+  const float qs = 0.5f + 2.f * static_cast<float>(rng() % 100) / 100.f;
+  for (float& x : qv) x = kvkit::to_float(kvkit::from_float<T>(qs * nd(rng)));
+  kvkit::test::RandomPool<T> pool = make_pool<T>(lens, hkv, d, P, rng, qv, hq);
+  std::vector<T> q(qv.size());
+  for (std::size_t i = 0; i < qv.size(); ++i) q[i] = kvkit::from_float<T>(qv[i]);
+
+  sk::SketchParams p;
+  p.all_summaries = false;
+  const double epss[] = {1e-4, 1e-3, 1e-2, 0.1, 0.5};
+  p.eps = epss[rng() % 5];
+  p.last_n = 1 + static_cast<std::int32_t>(rng() % 3);
+  p.top_pages = rng() % 3 == 0 ? 1 + static_cast<std::int32_t>(rng() % 10) : 0;
+  if (rng() % 4 == 0) p.head_on = {1, static_cast<std::uint8_t>(rng() % 2)};
+  std::int32_t used = 0, max_pages = 1;
+  for (std::int32_t b = 0; b < batch; ++b) {
+    used += pool.view.num_pages(b);
+    max_pages = std::max(max_pages, pool.view.num_pages(b));
+  }
+  const std::int32_t max_groups = rng() % 4 == 0 ? std::max(1, used / 2) : 0;
+  const std::int32_t pages_total = pool.geometry.num_pages;
+  sk::SketchStore store(p, 1, hkv, d, P, pages_total, max_groups);
+  store.sync(0, pool.view);
+  sk::SketchSelector sel(store);
+  sel.reserve(batch, hq, max_pages);
+  const float sm_scale = 1.f / std::sqrt(static_cast<float>(d)) * (rng() % 2 ? 1.f : 3.f);
+  KVKIT_REQUIRE_OK(sel.select(0, pool.view, q.data(), hq, sm_scale, nullptr));
+  CAPTURE(batch, hq, d, P, p.eps, p.last_n, p.top_pages, max_groups, lens);
+
+  // Device summaries of the pages the CPU store summarised (the others stay invalid).
+  DevicePool<T> dev(pool);
+  DeviceBuffer<float> mn(static_cast<std::size_t>(pages_total) * hkv * d), mx(mn.size()),
+      norm(static_cast<std::size_t>(pages_total) * hkv), amax(norm.size());
+  DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages_total));
+  const sk::twin::BoxSummaries s{mn.get(), mx.get(), norm.get(), amax.get(), count.get(), pages_total, hkv, d};
+  const sk::EpsCudaConfig cfg(p);
+  KVKIT_REQUIRE_OK(cfg.reset_summaries(stream.exec(), s));
+  std::vector<std::int32_t> upd, ntok;
+  for (std::int32_t b = 0; b < batch; ++b)
+    for (std::int32_t j = 0; j < pool.view.num_pages(b); ++j)
+      if (store.record_of(0, pool.view.page_id(b, j)) >= 0) {
+        upd.push_back(pool.view.page_id(b, j));
+        ntok.push_back(std::min(P, pool.view.seq_len(b) - j * P));
+      }
+  DeviceBuffer<std::int32_t> d_upd(upd), d_ntok(ntok);
+  KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, d_upd.get(), d_ntok.get(),
+                                        static_cast<std::int32_t>(upd.size())));
+  KVKIT_REQUIRE_OK(stream.status());
+  const std::vector<float> hmn = mn.download(), hmx = mx.download(), hnorm = norm.download(), hamax = amax.download();
+  for (std::int32_t pid : upd) {
+    const std::int32_t r = store.record_of(0, pid);
+    for (std::int32_t h = 0; h < hkv; ++h) {
+      const std::size_t row = static_cast<std::size_t>(pid) * hkv + h;
+      REQUIRE(std::memcmp(&hmn[row * d], store.box_min(0, h) + static_cast<std::size_t>(r) * d, sizeof(float) * d) == 0);
+      REQUIRE(std::memcmp(&hmx[row * d], store.box_max(0, h) + static_cast<std::size_t>(r) * d, sizeof(float) * d) == 0);
+      REQUIRE(std::memcmp(&hnorm[row], store.max_norm(0, h) + r, sizeof(float)) == 0);
+      REQUIRE(std::memcmp(&hamax[row], store.box_amax_norm(0, h) + r, sizeof(float)) == 0);
+    }
+  }
+
+  // The device pre-pass.
+  const sk::EpsCudaShape shape{batch, hkv, max_pages};
+  DeviceBuffer<unsigned char> ws(cfg.workspace_size(shape));
+  DeviceBuffer<T> dq(q);
+  DeviceBuffer<std::int32_t> indptr(static_cast<std::size_t>(batch) * hkv + 1),
+      subset(static_cast<std::size_t>(batch) * hkv * max_pages);
+  DeviceBuffer<double> omitted(static_cast<std::size_t>(batch) * hq);
+  KVKIT_REQUIRE_OK(cfg.select(stream.exec(), 0, dev.view, dq.get(), hq, sm_scale, s, shape, indptr.get(), subset.get(),
+                              omitted.get(), kvkit::Workspace{ws.get(), ws.size()}));
+  KVKIT_REQUIRE_OK(stream.status());
+  const std::vector<std::int32_t> hi = indptr.download(), hs = subset.download();
+  const std::vector<double> ho = omitted.download();
+  for (std::size_t i = 0; i < hi.size(); ++i) REQUIRE(hi[i] == sel.indptr()[i]);
+  for (std::int32_t i = 0; i < hi.back(); ++i) REQUIRE(hs[i] == sel.subset()[i]);
+  for (std::int32_t b = 0; b < batch; ++b)
+    for (std::int32_t h = 0; h < hq; ++h) {
+      const double g = ho[static_cast<std::size_t>(b) * hq + h], c = sel.omitted_bound(b, h);
+      CAPTURE(b, h, g, c);
+      REQUIRE(std::fabs(g - c) <= 1e-11 * std::max(g, c));
+    }
+  pruned += static_cast<std::int64_t>(used) * hkv - hi.back();
+
+  // Page-subset attention over the device's subset against the CPU's over the CPU's.
+  kvkit::DecodeAttentionParams cp{hq, sm_scale};
+  cp.page_subset_indptr = sel.indptr();
+  cp.page_subset = sel.subset();
+  const std::size_t out_n = static_cast<std::size_t>(batch) * hq * pool.view.v_head_dim;
+  std::vector<T> cpu_out(out_n);
+  std::vector<unsigned char> cpu_ws(kvkit::paged_decode_attention_workspace_size(kvkit::exec::Host{}, pool.view, cp) + 1);
+  KVKIT_REQUIRE_OK(kvkit::paged_decode_attention(kvkit::exec::Host{}, pool.view, q.data(), cpu_out.data(), cp,
+                                                 kvkit::Workspace{cpu_ws.data(), cpu_ws.size()}));
+  kvkit::DecodeAttentionParams gp{hq, sm_scale};
+  gp.page_subset_indptr = indptr.get();
+  gp.page_subset = subset.get();
+  DeviceBuffer<T> gout(out_n);
+  DeviceBuffer<unsigned char> gws(kvkit::paged_decode_attention_workspace_size(stream.exec(), dev.view, gp) + 1);
+  KVKIT_REQUIRE_OK(kvkit::paged_decode_attention(stream.exec(), dev.view, dq.get(), gout.get(), gp,
+                                                 kvkit::Workspace{gws.get(), gws.size()}));
+  KVKIT_REQUIRE_OK(stream.status());
+  const std::vector<T> g = gout.download();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < out_n; ++i) {
+    const double a = kvkit::to_float(g[i]), b = kvkit::to_float(cpu_out[i]);
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  // The parity suite's thresholds (test_cuda_parity): float to float precision, half to one
+  // rounding step of the output.
+  const double tol = std::is_same<T, float>::value ? 1e-6 : 1e-5;
+  CAPTURE(num, den);
+  REQUIRE(num <= tol * std::max(den, 1e-30));
+}
+
+}  // namespace
+
+TEST_CASE("eps cuda: summaries, page subsets and omitted bounds equal the CPU Sketcher's", "[eps][cuda]") {
+  KVKIT_REQUIRE_GPU();
+  KVKIT_TEST_RNG(rng);
+  kvkit::test::Stream stream;
+  std::int64_t pruned = 0;
+  for (int it = 0; it < 40; ++it) {
+    if (it % 2)
+      run_case<float>(rng, stream, pruned);
+    else
+      run_case<kvkit::half_t>(rng, stream, pruned);
+  }
+  REQUIRE(pruned > 0);  // real pruning was compared
+}
+
+TEST_CASE("eps cuda: unsupported settings throw naming the value; bad inputs give a Status", "[eps][cuda]") {
+  sk::SketchParams p;
+  p.group_pages = 4;
+  REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("unsupported group_pages 4"));
+  p.group_pages = 1;
+  p.method = sk::SketchMethod::kFD;
+  REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("unsupported method fd"));
+  p.method = sk::SketchMethod::kBox;
+  p.strict = false;
+  REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("unsupported mode"));
+  p.strict = true;
+  p.score_budget = 3;
+  REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("unsupported score_budget 3"));
+  p.score_budget = 0;
+  const sk::EpsCudaConfig cfg(p);
+  // Host-side checks need no GPU: a null status, null summaries.
+  const sk::twin::BoxSummaries none{};
+  REQUIRE(cfg.reset_summaries(kvkit::exec::Cuda{}, none).code() == kvkit::StatusCode::kInvalidArgument);
+  KVKIT_REQUIRE_GPU();
+  kvkit::test::Stream stream;
+  REQUIRE(cfg.reset_summaries(stream.exec(), none).code() == kvkit::StatusCode::kInvalidArgument);
+  // Device checks: a page id out of range is reported, nothing written.
+  std::mt19937_64 rng(7);
+  kvkit::test::PoolSpec spec;
+  spec.seq_lens = {20};
+  kvkit::test::RandomPool<float> pool(spec, rng);
+  DevicePool<float> dev(pool);
+  const std::int32_t pages = pool.geometry.num_pages, hkv = spec.num_kv_heads, d = spec.head_dim;
+  DeviceBuffer<float> mn(static_cast<std::size_t>(pages) * hkv * d), mx(mn.size()), nrm(static_cast<std::size_t>(pages) * hkv),
+      am(nrm.size());
+  DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages));
+  const sk::twin::BoxSummaries s{mn.get(), mx.get(), nrm.get(), am.get(), count.get(), pages, hkv, d};
+  KVKIT_REQUIRE_OK(cfg.reset_summaries(stream.exec(), s));
+  KVKIT_REQUIRE_OK(stream.status());
+  DeviceBuffer<std::int32_t> bad(std::vector<std::int32_t>{0, pages}), nt(std::vector<std::int32_t>{4, 4});
+  KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, bad.get(), nt.get(), 2));
+  const kvkit::Status st = stream.status();
+  REQUIRE(st.code() == kvkit::StatusCode::kOutOfRange);
+  const std::vector<std::int32_t> c = count.download();
+  REQUIRE(std::all_of(c.begin(), c.end(), [](std::int32_t x) { return x == 0; }));
+}
