@@ -42,8 +42,10 @@ namespace sketch {
 namespace twin {
 
 // IEEE operations that the device compiler must not contract (mul.rn / add.rn are never
-// fused); the host gets plain operators (kvkit's host builds do not contract: the CPU
-// select's own arithmetic relies on that too).
+// fused); the host gets plain operators. Bit equality with the CPU select on the host
+// needs a host build that does not fuse either: x86-64 baseline has no FMA, and with FMA
+// enabled GCC's default -ffp-contract=fast may fuse a product into a sum on one side
+// only, so test_eps_twin is built with -ffp-contract=off.
 KVKIT_HOST_DEVICE float fmul(float a, float b) {
 #if KVKIT_IN_DEVICE_CODE
   return __fmul_rn(a, b);

@@ -44,7 +44,7 @@
 // per query head); one block per (b, kv head) whatever the sequence length; the update
 // list must hold distinct page ids. Verified without a GPU by tests/test_eps_twin.cpp
 // (the per-item functions and the host schedule against SketchSelector) and
-// scripts/eps_cuda_emulation (these kernels run on host threads); tests/cuda/test_eps_cuda
+// scripts/cuda_emulation/run.sh eps (these kernels on host threads); tests/cuda/test_eps_cuda
 // runs them on a GPU.
 
 #include <cmath>

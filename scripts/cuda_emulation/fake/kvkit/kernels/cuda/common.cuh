@@ -1,8 +1,12 @@
 #pragma once
-// Host stand-ins for the pieces of common.cuh that kernels/cuda/eps.cuh uses (see run.sh):
-// one std::thread per CUDA thread, a std::barrier per block for __syncthreads, __shared__
-// variables as function statics (blocks run one after another).
+// Host stand-ins for the pieces of common.cuh that kernels/cuda/r1kv.cuh and eps.cuh use
+// (see run.sh): one std::thread per CUDA thread, a std::barrier per block for
+// __syncthreads, __shared__ variables as function statics (blocks run one after another),
+// __shfl_xor_sync through a barrier per lane group.
 #include <barrier>
+#include <bit>
+#include <map>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +29,31 @@ inline thread_local dim3 blockIdx, threadIdx, blockDim, gridDim;
 inline std::barrier<>* g_bar = nullptr;
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
 using std::isfinite;
+// __shfl_xor_sync among the lanes of `mask` (a warp's aligned lane group): each group of
+// one block meets at its own barrier, writes its value, reads its partner's, and meets
+// again before the slots are reused.
+struct ShflGroup {
+  std::barrier<> bar;
+  float v[32] = {};
+  explicit ShflGroup(int n) : bar(n) {}
+};
+inline std::mutex g_shfl_mu;
+inline std::map<std::pair<unsigned, unsigned>, std::unique_ptr<ShflGroup>>* g_shfl = nullptr;
+inline float __shfl_xor_sync(unsigned mask, float v, int off) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ShflGroup* g;
+  {
+    std::lock_guard<std::mutex> l(g_shfl_mu);
+    auto& slot = (*g_shfl)[{warp, mask}];
+    if (!slot) slot = std::make_unique<ShflGroup>(std::popcount(mask));
+    g = slot.get();
+  }
+  g->v[lane] = v;
+  g->bar.arrive_and_wait();
+  const float o = g->v[lane ^ static_cast<unsigned>(off)];
+  g->bar.arrive_and_wait();
+  return o;
+}
 #define __global__
 #define __device__
 #define __shared__ static
@@ -38,6 +67,8 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& body) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
       std::barrier<> bar(threads);
       g_bar = &bar;
+      std::map<std::pair<unsigned, unsigned>, std::unique_ptr<ShflGroup>> shfl;
+      g_shfl = &shfl;
       std::vector<std::thread> ts;
       for (int t = 0; t < threads; ++t)
         ts.emplace_back([&, t] {
@@ -51,7 +82,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& body) {
 }  // namespace emu
 
 namespace kvkit {
-enum class DeviceCheck : std::int32_t { kNone = 0, kIndptr, kNullTable, kLastPageLen, kSeqTooLong, kSeqLenNegative, kRowTooShort, kPageId };
+enum class DeviceCheck : std::int32_t { kNone = 0, kIndptr, kNullTable, kLastPageLen, kSeqTooLong, kSeqLenNegative, kRowTooShort, kPageId, kNonFiniteScore };
 struct DeviceStatus {
   std::int32_t code = 0, check = 0;
   std::int64_t value = 0, pos = -1, seq = -1, head = -1, bound = 0;
@@ -66,6 +97,9 @@ inline void report(DeviceStatus* st, StatusCode code, DeviceCheck check, std::in
   st->pos = pos; st->seq = seq; st->head = head; st->bound = bound;
 }
 inline bool failed(const DeviceStatus* st) { std::lock_guard<std::mutex> l(g_mu); return st->code != 0; }
+inline float load_float(float x) { return x; }
+inline float load_float(half_t x) { return to_float(x); }
+inline float load_float(bfloat16_t x) { return to_float(x); }
 inline Status check_status_ptr(exec::Cuda ex, const char* op) {
   KVKIT_CHECK_STATUS(ex.status != nullptr, StatusCode::kInvalidArgument, op, ": no status");
   return Status::ok();
