@@ -2,7 +2,8 @@
 // The host-emulated CUDA EPS kernels (see run.sh) against the CPU Sketcher: device-layout
 // summaries equal SketchStore's bit for bit, indptr / subset equal SketchSelector's
 // exactly, omitted bounds bit for bit (the emulation's exp is glibc's, as the CPU's);
-// a bad page id in an update list is reported and nothing is written. Seed:
+// a bad update list (page id out of range, token count past the page, a page twice) is
+// reported and nothing is written. Seed:
 // KVKIT_TEST_SEED or random (printed).
 #include <cstdio>
 #include <random>
@@ -133,8 +134,10 @@ void run_case(std::mt19937_64& rng, bool long_seq = false) {
   }
 }
 
-// A bad page id in the update list: reported (kOutOfRange), nothing written.
-void bad_update(std::mt19937_64& rng) {
+// A bad update list (a page id out of range, a token count past the page size, a page id
+// twice): reported with `code` / `check`, nothing written.
+void bad_update(std::mt19937_64& rng, std::vector<std::int32_t> ids, std::vector<std::int32_t> nt, StatusCode code,
+                DeviceCheck check) {
   test::PoolSpec spec;
   spec.seq_lens = {20};
   test::RandomPool<float> pool(spec, rng);
@@ -146,10 +149,12 @@ void bad_update(std::mt19937_64& rng) {
   const sk::twin::BoxSummaries s{mn.data(), mx.data(), nrm.data(), am.data(), count.data(), pages, hkv, d};
   const sk::EpsCudaConfig cfg(sk::SketchParams{});
   DeviceStatus dst;
-  std::vector<std::int32_t> ids{0, pages}, nt{4, 4};
-  const Status st = cfg.update_summaries(exec::Cuda{nullptr, &dst}, dv, s, ids.data(), nt.data(), 2);
+  for (std::int32_t& id : ids)
+    if (id < 0) id = pages;  // -1 stands for "one past the last page"
+  const Status st = cfg.update_summaries(exec::Cuda{nullptr, &dst}, dv, s, ids.data(), nt.data(),
+                                         static_cast<std::int32_t>(ids.size()));
   ++total_cases;
-  const bool ok = st.is_ok() && dst.code == static_cast<int>(StatusCode::kOutOfRange) && dst.value == pages &&
+  const bool ok = st.is_ok() && dst.code == static_cast<int>(code) && dst.check == static_cast<int>(check) &&
                   std::all_of(count.begin(), count.end(), [](std::int32_t x) { return x == 0; });
   if (!ok) {
     ++bad_cases;
@@ -167,7 +172,9 @@ int main() {
   }
   run_case<float>(rng, true);
   run_case<half_t>(rng, true);
-  bad_update(rng);
+  bad_update(rng, {0, -1}, {4, 4}, StatusCode::kOutOfRange, DeviceCheck::kPageId);
+  bad_update(rng, {0, 1}, {4, 99}, StatusCode::kOutOfRange, DeviceCheck::kSummaryTokens);
+  bad_update(rng, {1, 2, 1}, {4, 4, 4}, StatusCode::kInvalidArgument, DeviceCheck::kSummaryRepeated);
   std::printf("cases %d, mismatched %d, pages skipped %lld, launches %d\n", total_cases, bad_cases, pruned, emu::launches);
   return bad_cases != 0 || pruned == 0;
 }

@@ -264,6 +264,25 @@ TEST_CASE("eps cuda: unsupported settings throw naming the value; bad inputs giv
   KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, bad.get(), nt.get(), 2));
   const kvkit::Status st = stream.status();
   REQUIRE(st.code() == kvkit::StatusCode::kOutOfRange);
-  const std::vector<std::int32_t> c = count.download();
+  std::vector<std::int32_t> c = count.download();
   REQUIRE(std::all_of(c.begin(), c.end(), [](std::int32_t x) { return x == 0; }));
+  // A token count past the page size, and a page id listed twice.
+  struct BadList {
+    std::vector<std::int32_t> ids, nt;
+    kvkit::StatusCode code;
+    const char* what;
+  };
+  for (const BadList& bl : {BadList{{0, 1}, {4, spec.page_size + 1}, kvkit::StatusCode::kOutOfRange, "ntok"},
+                            BadList{{1, 2, 1}, {4, 4, 4}, kvkit::StatusCode::kInvalidArgument, "is repeated"}}) {
+    INFO(bl.what);
+    stream.reset();
+    DeviceBuffer<std::int32_t> ids(bl.ids), nts(bl.nt);
+    KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, ids.get(), nts.get(),
+                                          static_cast<std::int32_t>(bl.ids.size())));
+    const kvkit::Status bad_st = stream.status();
+    REQUIRE(bad_st.code() == bl.code);
+    REQUIRE_THAT(bad_st.message(), Catch::Contains(bl.what));
+    c = count.download();
+    REQUIRE(std::all_of(c.begin(), c.end(), [](std::int32_t x) { return x == 0; }));
+  }
 }

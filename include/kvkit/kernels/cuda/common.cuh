@@ -73,6 +73,8 @@ enum class DeviceCheck : std::int32_t {
                    //   `seq` 0: k_channels, 1: v_channels
   kPackChannelOrder, // kvchan pack: channel `value` of (`head`, `pos`) not above the
                      //   previous entry `bound`; `seq` as kPackChannel
+  kSummaryTokens,  // eps update_summaries: ntok `value` at `pos` outside [0, `bound`]
+  kSummaryRepeated, // eps update_summaries: page id `value` at `pos` also at `bound`
 };
 
 /// Device-side error word the CUDA kernels report bad device-resident input to. The
@@ -166,6 +168,12 @@ inline Status to_status(const DeviceStatus& s) {
                          " out of range [0, q_dim ", s.bound, ")");
     case DeviceCheck::kScoresStride:
       return make_status(code, "seq_len ", s.value, at_seq, " exceeds scores_stride ", s.bound);
+    case DeviceCheck::kSummaryTokens:
+      return make_status(code, "eps update_summaries: ntok ", s.value, " at position ", s.pos, " outside [0, ",
+                         s.bound, "]");
+    case DeviceCheck::kSummaryRepeated:
+      return make_status(code, "eps update_summaries: page id ", s.value, " at position ", s.pos,
+                         " is repeated (also at position ", s.bound, ")");
     case DeviceCheck::kNonFiniteScore:
       return make_status(code, "compressor: kv head ", s.head,
                          " has non-finite scores (NaN or inf in keys or queries)");

@@ -99,7 +99,9 @@ struct EpsScratch {
   std::int32_t* np = nullptr;       // [nb] pages of the sequence
 };
 
-/// Page ids and token counts of an update list within range.
+/// Page ids and token counts of an update list within range, and no page id twice (two
+/// blocks would write one summary row); the repeat scan is O(n^2 / threads), n being the
+/// pages one step writes or rewrites.
 template <class Unused = void>
 __global__ void eps_check_update_kernel(const std::int32_t* pages,  // [n]
                                                const std::int32_t* ntok,   // [n]
@@ -111,8 +113,13 @@ __global__ void eps_check_update_kernel(const std::int32_t* pages,  // [n]
     const std::int32_t p = pages[i], c = ntok[i];
     if (p < 0 || p >= num_pages)
       report(st, StatusCode::kOutOfRange, DeviceCheck::kPageId, p, i, -1, num_pages);
-    else if (c < 0 || c > page_size)  // (message says [1, page_size]; 0 is allowed: invalidate)
-      report(st, StatusCode::kOutOfRange, DeviceCheck::kLastPageLen, c, i, -1, page_size);
+    else if (c < 0 || c > page_size)  // 0 is allowed: invalidate
+      report(st, StatusCode::kOutOfRange, DeviceCheck::kSummaryTokens, c, i, -1, page_size);
+    for (std::int64_t j = 0; j < i; ++j)
+      if (pages[j] == p) {
+        report(st, StatusCode::kInvalidArgument, DeviceCheck::kSummaryRepeated, p, i, -1, j);
+        break;
+      }
   }
 }
 
@@ -444,7 +451,7 @@ class EpsCudaConfig {
   /// tokens (0: invalidate the page), every kv head. Call it for every page written,
   /// rewritten or freed since the last select. Device checks: ids in
   /// [0, min(view.num_pages_total, s.num_pages)) (kPageId), ntok in [0, page_size]
-  /// (kLastPageLen); on error nothing is written.
+  /// (kSummaryTokens), no id twice (kSummaryRepeated); on error nothing is written.
   template <class T>
   Status update_summaries(exec::Cuda ex, const PagedKVView<T>& view, const twin::BoxSummaries& s,
                           const std::int32_t* pages,  // [n] device

@@ -82,7 +82,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& body) {
 }  // namespace emu
 
 namespace kvkit {
-enum class DeviceCheck : std::int32_t { kNone = 0, kIndptr, kNullTable, kLastPageLen, kSeqTooLong, kSeqLenNegative, kRowTooShort, kPageId, kNonFiniteScore };
+enum class DeviceCheck : std::int32_t { kNone = 0, kIndptr, kNullTable, kLastPageLen, kSeqTooLong, kSeqLenNegative, kRowTooShort, kPageId, kNonFiniteScore, kSummaryTokens, kSummaryRepeated };
 struct DeviceStatus {
   std::int32_t code = 0, check = 0;
   std::int64_t value = 0, pos = -1, seq = -1, head = -1, bound = 0;
