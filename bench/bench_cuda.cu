@@ -8,6 +8,13 @@
 //                                 rows read + written, vs_d2d as above
 //   r1kv_select/<dt>/S            the Compressor's exec::Cuda select; vs_host = time of the
 //                                 exec::Host select (same inputs, all host threads) / ours
+//   eps_prepass/<dt>/B/S          the Sketcher's strict box pre-pass (kernels/cuda/eps.cuh,
+//                                 eps 1e-3) on llama8b's shape; prepass_vs_dense = its time /
+//                                 the dense paged_decode_attention's on the same pool (the
+//                                 issue's goal: <= 0.05 at 64K), subset_vs_dense = the
+//                                 page-subset attention over its pages / dense, and
+//                                 pages_visited (fraction); subsets checked against the CPU
+//                                 SketchSelector first
 // Device time comes from CUDA events around each batch of launches (manual time). Inputs
 // are random (never zeros); the attention and compact outputs are checked against the
 // CPU twin once per benchmark before timing. Without a GPU the program prints "skipped:
@@ -410,6 +417,88 @@ void bm_r1kv(benchmark::State& st, std::int32_t budget) {
   st.counters["slots_differ"] = static_cast<double>(differ);
 }
 
+// ---------------------------------------------------------------- EPS pre-pass
+
+template <class T>
+void bm_eps_prepass(benchmark::State& st, std::int32_t batch, std::int32_t len) {
+  constexpr std::int32_t kHq = 32, kHkv = 8, kDim = 128, kPage = 16;
+  std::mt19937_64 rng(777 + batch * 13 + len);
+  Pool<T> pool(kHkv, kDim, kPage, batch, len, rng);
+  const std::size_t rows = static_cast<std::size_t>(batch) * kHq;
+  const auto q = random_vec<T>(rows * kDim, rng, -3.f, 3.f);
+  Dev<T> dq(q), dout(rows * kDim);
+  const float scale = 1.f / std::sqrt(static_cast<float>(kDim));
+  sketch::SketchParams p;
+  p.strict = true;
+  p.eps = 1e-3;
+  p.group_pages = 1;
+  p.all_summaries = false;
+  const sketch::EpsCudaConfig cfg(p);
+  const std::int32_t per_seq = pool.pages / batch;
+  Ctx c;
+  Dev<float> mn(static_cast<std::size_t>(pool.pages) * kHkv * kDim), mx(mn.n),
+      norm(static_cast<std::size_t>(pool.pages) * kHkv), amax(norm.n);
+  Dev<std::int32_t> count(static_cast<std::size_t>(pool.pages));
+  const sketch::twin::BoxSummaries s{mn.p, mx.p, norm.p, amax.p, count.p, pool.pages, kHkv, kDim};
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(pool.pages)), ntok(ids.size());
+  for (std::int32_t b = 0; b < batch; ++b)
+    for (std::int32_t j = 0; j < per_seq; ++j) {
+      const std::size_t i = static_cast<std::size_t>(b) * per_seq + j;
+      ids[i] = pool.indices[i];
+      ntok[i] = std::min(kPage, len - j * kPage);
+    }
+  Dev<std::int32_t> dids(ids), dntok(ntok);
+  BENCH_OK(st, cfg.reset_summaries(c.ex(), s));
+  BENCH_OK(st, cfg.update_summaries(c.ex(), pool.dev_view, s, dids.p, dntok.p, pool.pages));
+  const sketch::EpsCudaShape shape{batch, kHkv, per_seq};
+  Dev<unsigned char> ws(cfg.workspace_size(shape));
+  Dev<std::int32_t> indptr(static_cast<std::size_t>(batch) * kHkv + 1),
+      subset(static_cast<std::size_t>(batch) * kHkv * per_seq);
+  Dev<double> omitted(rows);
+  auto prepass = [&] {
+    return cfg.select(c.ex(), 0, pool.dev_view, dq.p, kHq, scale, s, shape, indptr.p, subset.p, omitted.p,
+                      Workspace{ws.p, ws.n});
+  };
+  BENCH_OK(st, prepass());
+  BENCH_CUDA_OK(st, cudaStreamSynchronize(c.s));
+  BENCH_OK(st, read_device_status(c.status));
+  const std::vector<std::int32_t> hi = indptr.get(), hs = subset.get();
+  {  // once: the CPU Sketcher on the same inputs chooses the same pages
+    sketch::SketchStore store(p, 1, kHkv, kDim, kPage, pool.pages);
+    store.sync(0, pool.host_view);
+    sketch::SketchSelector sel(store);
+    sel.reserve(batch, kHq, per_seq);
+    BENCH_OK(st, sel.select(0, pool.host_view, q.data(), kHq, scale, nullptr));
+    for (std::size_t i = 0; i < hi.size(); ++i)
+      if (hi[i] != sel.indptr()[i]) return fail(st, "eps pre-pass: indptr differs from the CPU Sketcher");
+    for (std::int32_t i = 0; i < hi.back(); ++i)
+      if (hs[static_cast<std::size_t>(i)] != sel.subset()[i])
+        return fail(st, "eps pre-pass: subset differs from the CPU Sketcher");
+  }
+  DecodeAttentionParams dense{kHq, scale};
+  DecodeAttentionParams sub = dense;
+  sub.page_subset_indptr = indptr.p;
+  sub.page_subset = subset.p;
+  const std::size_t att_bytes = std::max(paged_decode_attention_workspace_size(c.ex(), pool.dev_view, dense),
+                                         paged_decode_attention_workspace_size(c.ex(), pool.dev_view, sub));
+  Dev<unsigned char> aws(att_bytes);
+  const Workspace aw{aws.p, att_bytes};
+  double t_pre = 0, t_dense = 0, t_sub = 0;
+  for (auto _ : st) {
+    const double a = time_reps(c, 20, [&] { (void)prepass(); });
+    t_dense += time_reps(c, 20, [&] { (void)paged_decode_attention(c.ex(), pool.dev_view, dq.p, dout.p, dense, aw); });
+    t_sub += time_reps(c, 20, [&] { (void)paged_decode_attention(c.ex(), pool.dev_view, dq.p, dout.p, sub, aw); });
+    st.SetIterationTime(a);
+    t_pre += a;
+  }
+  BENCH_CUDA_OK(st, cudaGetLastError());
+  BENCH_OK(st, read_device_status(c.status));
+  st.counters["prepass_vs_dense"] = t_pre / t_dense;
+  st.counters["subset_vs_dense"] = t_sub / t_dense;
+  st.counters["pages_visited"] = static_cast<double>(hi.back()) / (static_cast<double>(batch) * kHkv * per_seq);
+  st.counters["dense_us"] = 1e6 * t_dense / static_cast<double>(std::max<benchmark::IterationCount>(st.iterations(), 1));
+}
+
 template <class T>
 void register_dtype() {
   const std::string dt = bench::dtype_name<T>();
@@ -431,6 +520,11 @@ void register_dtype() {
   benchmark::RegisterBenchmark(("compact/" + dt + "/r1kv_2048_of_2176/B8").c_str(),
                                [](benchmark::State& st) { bm_compact<T>(st, 8, 2176, 2048); })
       ->UseManualTime()->Unit(benchmark::kMicrosecond);
+  for (const auto& bs : std::vector<std::pair<int, int>>{{1, 65536}, {8, 8192}})  // the EPS issue's 64K, a batch
+    benchmark::RegisterBenchmark(("eps_prepass/" + dt + "/B" + std::to_string(bs.first) + "/S" +
+                                  std::to_string(bs.second)).c_str(),
+                                 [=](benchmark::State& st) { bm_eps_prepass<T>(st, bs.first, bs.second); })
+        ->UseManualTime()->Unit(benchmark::kMicrosecond);
   for (std::int32_t budget : {1024, 4096})  // S = 1152 and 4224, the issue's shapes
     benchmark::RegisterBenchmark(("r1kv_select/" + dt + "/budget" + std::to_string(budget)).c_str(),
                                  [=](benchmark::State& st) { bm_r1kv<T>(st, budget); })
