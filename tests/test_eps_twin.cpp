@@ -17,12 +17,12 @@
 #include <random>
 #include <vector>
 
+#include "eps_cases.hpp"
 #include "kvkit/sketch/eps_twin.hpp"
 #include "reference.hpp"
 
 namespace sk = kvkit::sketch;
 namespace tw = kvkit::sketch::twin;
-using kvkit::test::PoolSpec;
 using kvkit::test::RandomPool;
 
 namespace {
@@ -62,41 +62,6 @@ struct HostSummaries {
   }
 };
 
-// A pool whose pages have their own log-normal scales and offsets (so bounds differ and
-// prune), with a needle: in some pages one key is a large multiple of a query direction.
-template <class T>
-RandomPool<T> make_pool(const std::vector<std::int32_t>& lens, std::int32_t hkv, std::int32_t d, std::int32_t P,
-                        std::mt19937_64& rng, const std::vector<float>& q, std::int32_t hq) {
-  PoolSpec spec;
-  spec.num_kv_heads = hkv;
-  spec.head_dim = d;
-  spec.page_size = P;
-  spec.seq_lens = lens;
-  spec.layout = rng() % 2 ? kvkit::KVLayout::kNHD : kvkit::KVLayout::kHND;
-  spec.table = rng() % 2 ? kvkit::PageTableKind::kCsr : kvkit::PageTableKind::kBlockTable;
-  RandomPool<T> pool(spec, rng);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const float spread = 0.3f + 1.5f * static_cast<float>(rng() % 100) / 100.f;
-  for (std::int32_t b = 0; b < pool.view.batch_size; ++b)
-    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
-      const float sc = std::exp(spread * nd(rng));
-      const std::int32_t end = std::min(pool.view.seq_len(b), (pg + 1) * P);
-      for (std::int32_t h = 0; h < hkv; ++h) {
-        const float off = 0.5f * nd(rng);
-        for (std::int32_t t = pg * P; t < end; ++t) {
-          T* k = pool.view.k_ptr(b, t, h);
-          for (std::int32_t c = 0; c < d; ++c) k[c] = kvkit::from_float<T>(off + sc * kvkit::to_float(k[c]));
-        }
-        if (rng() % 6 == 0) {  // needle: aligned with query head h*grp of row b
-          const std::int32_t t = pg * P + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(end - pg * P));
-          const float* qq = q.data() + (static_cast<std::size_t>(b) * hq + h * (hq / hkv)) * d;
-          T* k = pool.view.k_ptr(b, t, h);
-          for (std::int32_t c = 0; c < d; ++c) k[c] = kvkit::from_float<T>(2.5f * qq[c]);
-        }
-      }
-    }
-  return pool;
-}
 
 }  // namespace
 
@@ -138,8 +103,8 @@ TEST_CASE("eps twin: round_up_f and the per-page summaries equal SketchStore's b
       CAPTURE(d, P);
       REQUIRE((checked > 0 || lens[0] + lens[1] + lens[2] == 0));
     };
-    if (it % 2) check(make_pool<float>(lens, hkv, d, P, rng, q, 4));
-    else check(make_pool<kvkit::half_t>(lens, hkv, d, P, rng, q, 4));
+    if (it % 2) check(kvkit::test::make_eps_pool<float>(lens, hkv, d, P, rng, q, 4));
+    else check(kvkit::test::make_eps_pool<kvkit::half_t>(lens, hkv, d, P, rng, q, 4));
   }
 }
 
@@ -264,40 +229,20 @@ namespace {
 
 template <class T>
 void prepass_case(std::mt19937_64& rng, std::int64_t& pruned, std::int64_t& total, std::int64_t& needles) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const std::int32_t hkv = 2, grp = rng() % 2 ? 3 : 4, hq = hkv * grp;
-  const std::int32_t d = std::vector<std::int32_t>{16, 13, 32, 64}[rng() % 4];
-  const std::int32_t P = rng() % 2 ? 8 : 16;
-  std::vector<std::int32_t> lens;
-  const std::int32_t batch = 1 + static_cast<std::int32_t>(rng() % 3);
-  for (std::int32_t b = 0; b < batch; ++b) lens.push_back(static_cast<std::int32_t>(rng() % 700));
-  std::vector<float> q(static_cast<std::size_t>(batch) * hq * d);
-  const float qs = 0.5f + 2.f * static_cast<float>(rng() % 100) / 100.f;
-  for (float& x : q) x = kvkit::to_float(kvkit::from_float<T>(qs * nd(rng)));
-  RandomPool<T> pool = make_pool<T>(lens, hkv, d, P, rng, q, hq);
-  std::vector<T> qt(q.size());
-  for (std::size_t i = 0; i < q.size(); ++i) qt[i] = kvkit::from_float<T>(q[i]);
-
-  sk::SketchParams p;
-  p.all_summaries = false;
-  const double epss[] = {1e-4, 1e-3, 1e-2, 0.1, 0.5};
-  p.eps = epss[rng() % 5];
-  p.last_n = 1 + static_cast<std::int32_t>(rng() % 3);
-  p.top_pages = rng() % 3 == 0 ? 1 + static_cast<std::int32_t>(rng() % 10) : 0;
-  if (rng() % 4 == 0) p.head_on = {1, static_cast<std::uint8_t>(rng() % 2)};
-  std::int32_t used = 0, max_pages = 1;
-  for (std::int32_t b = 0; b < batch; ++b) {
-    used += pool.view.num_pages(b);
-    max_pages = std::max(max_pages, pool.view.num_pages(b));
-  }
-  // Sometimes too few records: the pages left without one are always visited.
-  const std::int32_t max_groups = rng() % 4 == 0 ? std::max(1, used / 2) : 0;
-  sk::SketchStore store(p, 1, hkv, d, P, pool.geometry.num_pages, max_groups);
-  store.sync(0, pool.view);
-  sk::SketchSelector sel(store);
-  sel.reserve(batch, hq, max_pages);
-  const float sm_scale = 1.f / std::sqrt(static_cast<float>(d)) * (rng() % 2 ? 1.f : 3.f);
-  REQUIRE(sel.select(0, pool.view, qt.data(), hq, sm_scale, nullptr).is_ok());
+  kvkit::test::EpsCaseOptions o;
+  o.seq_len = [](std::mt19937_64& r) { return static_cast<std::int32_t>(r() % 700); };
+  const kvkit::test::EpsCase<T> c = kvkit::test::make_eps_case<T>(rng, o);
+  REQUIRE(c.cpu.is_ok());
+  const RandomPool<T>& pool = *c.pool;
+  const sk::SketchStore& store = *c.store;
+  const sk::SketchSelector& sel = *c.sel;
+  const sk::SketchParams& p = c.p;
+  const std::vector<float>& q = c.qf;
+  const std::vector<T>& qt = c.q;
+  const std::int32_t hkv = c.hkv, grp = c.grp, hq = c.hq, d = c.d, P = c.P, batch = c.batch;
+  const std::int32_t max_groups = c.max_groups;
+  const std::vector<std::int32_t>& lens = c.lens;
+  const float sm_scale = c.sm_scale;
 
   HostSummaries hs(pool.geometry.num_pages, hkv, d);
   for (std::int32_t b = 0; b < batch; ++b)

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <random>
 #include <algorithm>
+#include "eps_cases.hpp"
 #include "reference.hpp"
 using namespace kvkit;
 namespace sk = kvkit::sketch;
@@ -17,67 +18,25 @@ long long pruned = 0;
 
 template <class T>
 void run_case(std::mt19937_64& rng, bool long_seq = false) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const std::int32_t hkv = 2, grp = rng() % 2 ? 3 : 4, hq = hkv * grp;
-  const std::int32_t d = std::vector<std::int32_t>{16, 13, 32, 64}[rng() % 4];
-  const std::int32_t P = long_seq ? 8 : (rng() % 2 ? 8 : 16);
-  const std::int32_t batch = long_seq ? 1 : 1 + static_cast<std::int32_t>(rng() % 3);
-  std::vector<std::int32_t> lens;
-  // Long sequences (> 256 pages) cross every tile / chunk boundary of the kernels.
-  for (std::int32_t b = 0; b < batch; ++b)
-    lens.push_back(static_cast<std::int32_t>(long_seq ? 2100 + rng() % 2000 : rng() % 400));
-  std::vector<float> qv(static_cast<std::size_t>(batch) * hq * d);
-  const float qs = 0.5f + 2.f * static_cast<float>(rng() % 100) / 100.f;
-  for (float& x : qv) x = to_float(from_float<T>(qs * nd(rng)));
-  test::PoolSpec spec;
-  spec.num_kv_heads = hkv;
-  spec.head_dim = d;
-  spec.page_size = P;
-  spec.seq_lens = lens;
-  spec.layout = rng() % 2 ? KVLayout::kNHD : KVLayout::kHND;
-  spec.table = rng() % 2 ? PageTableKind::kCsr : PageTableKind::kBlockTable;
-  test::RandomPool<T> pool(spec, rng);
-  const float spread = 0.3f + 1.5f * static_cast<float>(rng() % 100) / 100.f;
-  for (std::int32_t b = 0; b < batch; ++b)
-    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
-      const float sc = std::exp(spread * nd(rng));
-      const std::int32_t end = std::min(pool.view.seq_len(b), (pg + 1) * P);
-      for (std::int32_t h = 0; h < hkv; ++h) {
-        const float off = 0.5f * nd(rng);
-        for (std::int32_t t = pg * P; t < end; ++t) {
-          T* k = pool.view.k_ptr(b, t, h);
-          for (std::int32_t c = 0; c < d; ++c) k[c] = from_float<T>(off + sc * to_float(k[c]));
-        }
-        if (rng() % 6 == 0) {
-          const std::int32_t t = pg * P + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(end - pg * P));
-          T* k = pool.view.k_ptr(b, t, h);
-          for (std::int32_t c = 0; c < d; ++c) k[c] = from_float<T>(2.5f * qv[(static_cast<std::size_t>(b) * hq + h * grp) * d + c]);
-        }
-      }
-    }
-  std::vector<T> q(qv.size());
-  for (std::size_t i = 0; i < qv.size(); ++i) q[i] = from_float<T>(qv[i]);
-
-  sk::SketchParams p;
-  p.all_summaries = false;
-  const double epss[] = {1e-4, 1e-3, 1e-2, 0.1, 0.5};
-  p.eps = epss[rng() % 5];
-  p.last_n = 1 + static_cast<std::int32_t>(rng() % 3);
-  p.top_pages = rng() % 3 == 0 ? 1 + static_cast<std::int32_t>(rng() % 10) : 0;
-  if (rng() % 4 == 0) p.head_on = {1, static_cast<std::uint8_t>(rng() % 2)};
-  std::int32_t used = 0, max_pages = 1;
-  for (std::int32_t b = 0; b < batch; ++b) {
-    used += pool.view.num_pages(b);
-    max_pages = std::max(max_pages, pool.view.num_pages(b));
+  test::EpsCaseOptions o;
+  if (long_seq) {  // > 256 pages: every tile / chunk boundary of the kernels
+    o.page_size = 8;
+    o.max_batch = 1;
+    o.seq_len = [](std::mt19937_64& r) { return static_cast<std::int32_t>(2100 + r() % 2000); };
+  } else {
+    o.seq_len = [](std::mt19937_64& r) { return static_cast<std::int32_t>(r() % 400); };
   }
-  const std::int32_t max_groups = rng() % 4 == 0 ? std::max(1, used / 2) : 0;
-  const std::int32_t pages = pool.geometry.num_pages;
-  sk::SketchStore store(p, 1, hkv, d, P, pages, max_groups);
-  store.sync(0, pool.view);
-  sk::SketchSelector sel(store);
-  sel.reserve(batch, hq, max_pages);
-  const float sm_scale = 1.f / std::sqrt(static_cast<float>(d)) * (rng() % 2 ? 1.f : 3.f);
-  const Status cs = sel.select(0, pool.view, q.data(), hq, sm_scale, nullptr);
+  const test::EpsCase<T> ec = test::make_eps_case<T>(rng, o);
+  test::RandomPool<T>& pool = *ec.pool;  // the "device" view is made over its memory
+  const sk::SketchStore& store = *ec.store;
+  const sk::SketchSelector& sel = *ec.sel;
+  const sk::SketchParams& p = ec.p;
+  const std::vector<T>& q = ec.q;
+  const std::int32_t hkv = ec.hkv, hq = ec.hq, d = ec.d, P = ec.P, batch = ec.batch, used = ec.used,
+                     max_pages = ec.max_pages, max_groups = ec.max_groups, pages = pool.geometry.num_pages;
+  const std::vector<std::int32_t>& lens = ec.lens;
+  const float sm_scale = ec.sm_scale;
+  const Status cs = ec.cpu;
 
   // "Device" side: a kCuda view over the same host memory.
   const PagedKVView<T> dv = pool.make_view_over(pool.k.data(), pool.v.data(), pool.host_tables(), MemorySpace::kCuda);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cuda_test_util.cuh"
+#include "eps_cases.hpp"
 #include "reference.hpp"
 
 namespace sk = kvkit::sketch;
@@ -50,81 +51,25 @@ struct DevicePool {
   kvkit::PagedKVView<T> view;
 };
 
-// Pages with their own log-normal scale and offset (bounds differ and prune), and needles
-// (a key 2.5 q of the kv head's first query head).
-template <class T>
-kvkit::test::RandomPool<T> make_pool(const std::vector<std::int32_t>& lens, std::int32_t hkv, std::int32_t d,
-                                     std::int32_t P, std::mt19937_64& rng, const std::vector<float>& q,
-                                     std::int32_t hq) {
-  kvkit::test::PoolSpec spec;
-  spec.num_kv_heads = hkv;
-  spec.head_dim = d;
-  spec.page_size = P;
-  spec.seq_lens = lens;
-  spec.layout = rng() % 2 ? kvkit::KVLayout::kNHD : kvkit::KVLayout::kHND;
-  spec.table = rng() % 2 ? kvkit::PageTableKind::kCsr : kvkit::PageTableKind::kBlockTable;
-  kvkit::test::RandomPool<T> pool(spec, rng);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const float spread = 0.3f + 1.5f * static_cast<float>(rng() % 100) / 100.f;
-  for (std::int32_t b = 0; b < pool.view.batch_size; ++b)
-    for (std::int32_t pg = 0; pg < pool.view.num_pages(b); ++pg) {
-      const float sc = std::exp(spread * nd(rng));
-      const std::int32_t end = std::min(pool.view.seq_len(b), (pg + 1) * P);
-      for (std::int32_t h = 0; h < hkv; ++h) {
-        const float off = 0.5f * nd(rng);
-        for (std::int32_t t = pg * P; t < end; ++t) {
-          T* k = pool.view.k_ptr(b, t, h);
-          for (std::int32_t c = 0; c < d; ++c) k[c] = kvkit::from_float<T>(off + sc * kvkit::to_float(k[c]));
-        }
-        if (rng() % 6 == 0) {
-          const std::int32_t t = pg * P + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(end - pg * P));
-          const float* qq = q.data() + (static_cast<std::size_t>(b) * hq + h * (hq / hkv)) * d;
-          T* k = pool.view.k_ptr(b, t, h);
-          for (std::int32_t c = 0; c < d; ++c) k[c] = kvkit::from_float<T>(2.5f * qq[c]);
-        }
-      }
-    }
-  return pool;
-}
 
 template <class T>
 void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& pruned) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const std::int32_t hkv = 2, grp = rng() % 2 ? 3 : 4, hq = hkv * grp;
-  const std::int32_t d = std::vector<std::int32_t>{16, 13, 32, 64, 128}[rng() % 5];
-  const std::int32_t P = rng() % 2 ? 8 : 16;
-  const std::int32_t batch = 1 + static_cast<std::int32_t>(rng() % 4);
-  std::vector<std::int32_t> lens;
+  kvkit::test::EpsCaseOptions o;
+  o.head_dims = {16, 13, 32, 64, 128};
+  o.max_batch = 4;
   const std::int32_t max_len = rng() % 2 ? 1500 : 5000;  // > 256 pages: every tile / chunk boundary
-  for (std::int32_t b = 0; b < batch; ++b) lens.push_back(static_cast<std::int32_t>(rng() % max_len));
-  std::vector<float> qv(static_cast<std::size_t>(batch) * hq * d);
-  const float qs = 0.5f + 2.f * static_cast<float>(rng() % 100) / 100.f;
-  for (float& x : qv) x = kvkit::to_float(kvkit::from_float<T>(qs * nd(rng)));
-  kvkit::test::RandomPool<T> pool = make_pool<T>(lens, hkv, d, P, rng, qv, hq);
-  std::vector<T> q(qv.size());
-  for (std::size_t i = 0; i < qv.size(); ++i) q[i] = kvkit::from_float<T>(qv[i]);
-
-  sk::SketchParams p;
-  p.all_summaries = false;
-  const double epss[] = {1e-4, 1e-3, 1e-2, 0.1, 0.5};
-  p.eps = epss[rng() % 5];
-  p.last_n = 1 + static_cast<std::int32_t>(rng() % 3);
-  p.top_pages = rng() % 3 == 0 ? 1 + static_cast<std::int32_t>(rng() % 10) : 0;
-  if (rng() % 4 == 0) p.head_on = {1, static_cast<std::uint8_t>(rng() % 2)};
-  std::int32_t used = 0, max_pages = 1;
-  for (std::int32_t b = 0; b < batch; ++b) {
-    used += pool.view.num_pages(b);
-    max_pages = std::max(max_pages, pool.view.num_pages(b));
-  }
-  const std::int32_t max_groups = rng() % 4 == 0 ? std::max(1, used / 2) : 0;
-  const std::int32_t pages_total = pool.geometry.num_pages;
-  sk::SketchStore store(p, 1, hkv, d, P, pages_total, max_groups);
-  store.sync(0, pool.view);
-  sk::SketchSelector sel(store);
-  sel.reserve(batch, hq, max_pages);
-  const float sm_scale = 1.f / std::sqrt(static_cast<float>(d)) * (rng() % 2 ? 1.f : 3.f);
-  KVKIT_REQUIRE_OK(sel.select(0, pool.view, q.data(), hq, sm_scale, nullptr));
-  CAPTURE(batch, hq, d, P, p.eps, p.last_n, p.top_pages, max_groups, lens);
+  o.seq_len = [max_len](std::mt19937_64& r) { return static_cast<std::int32_t>(r() % static_cast<std::uint64_t>(max_len)); };
+  const kvkit::test::EpsCase<T> c = kvkit::test::make_eps_case<T>(rng, o);
+  KVKIT_REQUIRE_OK(c.cpu);
+  const kvkit::test::RandomPool<T>& pool = *c.pool;
+  const sk::SketchStore& store = *c.store;
+  const sk::SketchSelector& sel = *c.sel;
+  const sk::SketchParams& p = c.p;
+  const std::vector<T>& q = c.q;
+  const std::int32_t hkv = c.hkv, hq = c.hq, d = c.d, P = c.P, batch = c.batch;
+  const std::int32_t used = c.used, max_pages = c.max_pages, pages_total = pool.geometry.num_pages;
+  const float sm_scale = c.sm_scale;
+  CAPTURE(batch, hq, d, P, p.eps, p.last_n, p.top_pages, c.max_groups, c.lens);
 
   // Device summaries of the pages the CPU store summarised (the others stay invalid).
   DevicePool<T> dev(pool);
