@@ -6,7 +6,8 @@
 // offsets (so bounds differ and prune) with needles (in some pages one key is 2.5x a
 // query), fresh queries, random SketchParams (eps, last_n, top_pages, heads switched
 // off, sometimes too few records), and the CPU Sketcher's store and selection over it:
-// the reference every twin must equal.
+// the reference every twin must equal. Also random inputs of the ε walk alone
+// (make_walk_case), shared by test_eps_prepass and test_eps_twin.
 
 #include <algorithm>
 #include <cmath>
@@ -118,6 +119,60 @@ EpsCase<T> make_eps_case(std::mt19937_64& rng, const EpsCaseOptions& o) {
   c.sm_scale = 1.f / std::sqrt(static_cast<float>(c.d)) * (rng() % 2 ? 1.f : 3.f);
   const Status cpu = c.sel->select(0, c.pool->view, c.q.data(), c.hq, c.sm_scale, nullptr);
   c.cpu = cpu;  // (nvcc's front end reads `c.cpu = select(...)` as a discarded result)
+  return c;
+}
+
+/// The pages of case `c` the CPU store summarised (physical ids, in sequence order) and the
+/// tokens each holds: the update list a device-side store gets for the same summaries.
+template <class T>
+void summarised_pages(const EpsCase<T>& c, std::vector<std::int32_t>* pages, std::vector<std::int32_t>* ntok) {
+  pages->clear();
+  ntok->clear();
+  const PagedKVView<T>& v = c.pool->view;
+  for (std::int32_t b = 0; b < c.batch; ++b)
+    for (std::int32_t j = 0; j < v.num_pages(b); ++j)
+      if (c.store->record_of(0, v.page_id(b, j)) >= 0) {
+        pages->push_back(v.page_id(b, j));
+        ntok->push_back(std::min(c.P, v.seq_len(b) - j * c.P));
+      }
+}
+
+/// Random inputs of detail::certified_walk over n groups: log-mass bounds ub from a few
+/// levels (many ties) or continuous, spread over 0..60 nats; exact masses a random fraction
+/// of each bound (some groups at their bound); their quantised masses w (sum W) relative
+/// to ref = max ub; the always-visited mass s0, eps and a cap lim (sometimes below n).
+struct WalkCase {
+  std::int32_t n = 0, levels = 0, lim = 0;
+  double spread = 0, ref = 0, s0 = 0, eps = 0;
+  std::vector<double> ub, mass;
+  std::vector<sketch::detail::Mass128> w;
+  sketch::detail::Mass128 W;
+};
+
+/// n in [1, max_n].
+inline WalkCase make_walk_case(std::mt19937_64& rng, std::int32_t max_n) {
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  WalkCase c;
+  c.n = 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(max_n));
+  c.levels = static_cast<int>(rng() % 4);
+  c.spread = 60.0 * u01(rng);
+  c.ub.resize(static_cast<std::size_t>(c.n));
+  for (double& x : c.ub)
+    x = c.levels == 0 ? c.spread * u01(rng) : std::floor(u01(rng) * (c.levels * 3)) * c.spread / (c.levels * 3);
+  c.ref = -1e300;
+  for (double x : c.ub) c.ref = std::max(c.ref, x);
+  c.mass.resize(c.ub.size());
+  const double tight = u01(rng);
+  for (std::size_t i = 0; i < c.ub.size(); ++i)
+    c.mass[i] = std::exp(c.ub[i] - c.ref) * (u01(rng) < tight ? 1.0 : std::pow(u01(rng), 1 + 20 * u01(rng)));
+  c.s0 = std::exp(-c.spread * u01(rng)) * (0.5 + u01(rng));
+  c.eps = std::pow(10.0, -1 - 4 * u01(rng));
+  c.lim = rng() % 4 == 0 ? 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.n)) : c.n;
+  c.w.resize(c.ub.size());
+  for (std::size_t i = 0; i < c.ub.size(); ++i) {
+    c.w[i] = sketch::detail::quantise_mass(c.ub[i] - c.ref);
+    c.W.add(c.w[i]);
+  }
   return c;
 }
 

@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "eps_cases.hpp"
 #include "kvkit/sketch/eps.hpp"
 #include "reference.hpp"
 
@@ -187,38 +188,18 @@ TEST_CASE("eps prepass: batched box/norm bounds equal group_bounds and bound the
 
 TEST_CASE("eps prepass: the partial-selection walk equals a full-sort walk (ties, caps, budgets)", "[eps]") {
   KVKIT_TEST_RNG(rng);
-  std::uniform_real_distribution<double> u01(0.0, 1.0);
   std::int64_t cases = 0, stopped_early = 0, scored_total = 0;
   for (int it = 0; it < 3000; ++it) {
-    const std::int32_t n = 1 + static_cast<std::int32_t>(rng() % (it % 10 == 0 ? 3000 : 200));
-    // Bounds from a few levels (many ties) or continuous, spread over 0..60 nats.
-    const int levels = static_cast<int>(rng() % 4);
-    const double spread = 60.0 * u01(rng);
-    std::vector<double> ub(static_cast<std::size_t>(n));
-    for (double& x : ub)
-      x = levels == 0 ? spread * u01(rng) : std::floor(u01(rng) * (levels * 3)) * spread / (levels * 3);
-    double ref = -1e300;
-    for (double x : ub) ref = std::max(ref, x);
-    // Exact masses: a random fraction of each bound (some groups at their bound).
-    std::vector<double> mass(static_cast<std::size_t>(n));
-    const double tight = u01(rng);
-    for (std::int32_t i = 0; i < n; ++i) {
-      const double b = std::exp(ub[i] - ref);
-      const double fr = u01(rng) < tight ? 1.0 : std::pow(u01(rng), 1 + 20 * u01(rng));
-      mass[i] = b * fr;
-    }
-    const double s0 = std::exp(-spread * u01(rng)) * (0.5 + u01(rng));
-    const double eps = std::pow(10.0, -1 - 4 * u01(rng));
-    const std::int32_t lim = rng() % 4 == 0 ? 1 + static_cast<std::int32_t>(rng() % n) : n;
+    const kvkit::test::WalkCase wc = kvkit::test::make_walk_case(rng, it % 10 == 0 ? 3000 : 200);
+    const std::int32_t n = wc.n, levels = wc.levels, lim = wc.lim;
+    const double spread = wc.spread, s0 = wc.s0, eps = wc.eps;
+    const std::vector<double>& ub = wc.ub;
+    const std::vector<double>& mass = wc.mass;
     const std::int32_t budget = rng() % 4 == 0 ? static_cast<std::int32_t>(rng() % 20) : 0;
     std::vector<std::int32_t> want;
     const sk::detail::WalkResult rr = reference_walk(ub, s0, eps, lim, budget, mass, want);
-    std::vector<sk::detail::Mass128> w(static_cast<std::size_t>(n));
-    sk::detail::Mass128 W;
-    for (std::int32_t i = 0; i < n; ++i) {
-      w[i] = sk::detail::quantise_mass(ub[i] - ref);
-      W.add(w[i]);
-    }
+    const std::vector<sk::detail::Mass128>& w = wc.w;
+    const sk::detail::Mass128 W = wc.W;
     std::vector<std::int32_t> ord(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n), -1);
     std::int64_t calls = 0;
     const sk::detail::WalkResult r = sk::detail::certified_walk(ub.data(), w.data(), W, n, s0, eps, lim, budget, ord.data(),

@@ -168,30 +168,15 @@ TEST_CASE("eps twin: the kernel's bitonic sort gives rank_of's order (ties by po
 
 TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twin]") {
   KVKIT_TEST_RNG(rng);
-  std::uniform_real_distribution<double> u01(0.0, 1.0);
   std::int64_t early = 0, at_lim = 0;
   for (int it = 0; it < 3000; ++it) {
-    const std::int32_t n = 1 + static_cast<std::int32_t>(rng() % (it % 10 == 0 ? 2000 : 150));
-    const int levels = static_cast<int>(rng() % 4);
-    const double spread = 60.0 * u01(rng);
-    std::vector<double> ub(static_cast<std::size_t>(n));
-    for (double& x : ub)
-      x = levels == 0 ? spread * u01(rng) : std::floor(u01(rng) * (levels * 3)) * spread / (levels * 3);
-    double ref = -1e300;
-    for (double x : ub) ref = std::max(ref, x);
-    std::vector<double> mass(static_cast<std::size_t>(n));
-    const double tight = u01(rng);
-    for (std::int32_t i = 0; i < n; ++i)
-      mass[i] = std::exp(ub[i] - ref) * (u01(rng) < tight ? 1.0 : std::pow(u01(rng), 1 + 20 * u01(rng)));
-    const double s0 = std::exp(-spread * u01(rng)) * (0.5 + u01(rng));
-    const double eps = std::pow(10.0, -1 - 4 * u01(rng));
-    const std::int32_t lim = rng() % 4 == 0 ? 1 + static_cast<std::int32_t>(rng() % n) : n;
-    std::vector<sk::detail::Mass128> w(static_cast<std::size_t>(n));
-    sk::detail::Mass128 W;
-    for (std::int32_t i = 0; i < n; ++i) {
-      w[i] = sk::detail::quantise_mass(ub[i] - ref);
-      W.add(w[i]);
-    }
+    const kvkit::test::WalkCase wc = kvkit::test::make_walk_case(rng, it % 10 == 0 ? 2000 : 150);
+    const std::int32_t n = wc.n, levels = wc.levels, lim = wc.lim;
+    const double spread = wc.spread, s0 = wc.s0, eps = wc.eps;
+    const std::vector<double>& ub = wc.ub;
+    const std::vector<double>& mass = wc.mass;
+    const std::vector<sk::detail::Mass128>& w = wc.w;
+    const sk::detail::Mass128 W = wc.W;
     std::vector<std::int32_t> ord(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
     const sk::detail::WalkResult want = sk::detail::certified_walk(ub.data(), w.data(), W, n, s0, eps, lim, 0, ord.data(),
                                                                    out.data(), [&](std::int32_t i) { return mass[i]; });
@@ -234,7 +219,6 @@ void prepass_case(std::mt19937_64& rng, std::int64_t& pruned, std::int64_t& tota
   const kvkit::test::EpsCase<T> c = kvkit::test::make_eps_case<T>(rng, o);
   REQUIRE(c.cpu.is_ok());
   const RandomPool<T>& pool = *c.pool;
-  const sk::SketchStore& store = *c.store;
   const sk::SketchSelector& sel = *c.sel;
   const sk::SketchParams& p = c.p;
   const std::vector<float>& q = c.qf;
@@ -245,11 +229,9 @@ void prepass_case(std::mt19937_64& rng, std::int64_t& pruned, std::int64_t& tota
   const float sm_scale = c.sm_scale;
 
   HostSummaries hs(pool.geometry.num_pages, hkv, d);
-  for (std::int32_t b = 0; b < batch; ++b)
-    for (std::int32_t j = 0; j < pool.view.num_pages(b); ++j) {
-      const std::int32_t pid = pool.view.page_id(b, j);
-      if (store.record_of(0, pid) >= 0) hs.update<T>(pool.view, pid, std::min(P, pool.view.seq_len(b) - j * P));
-    }
+  std::vector<std::int32_t> upd, ntok;
+  kvkit::test::summarised_pages(c, &upd, &ntok);
+  for (std::size_t i = 0; i < upd.size(); ++i) hs.update<T>(pool.view, upd[i], ntok[i]);
   tw::PrepassArgs a;
   a.eps = p.eps;
   a.last_n = p.last_n;

@@ -49,12 +49,7 @@ void run_case(std::mt19937_64& rng, bool long_seq = false) {
   const exec::Cuda ex{nullptr, &dst};
   Status st = cfg.reset_summaries(ex, s);
   std::vector<std::int32_t> upd, ntok;
-  for (std::int32_t b = 0; b < batch; ++b)
-    for (std::int32_t j = 0; j < pool.view.num_pages(b); ++j)
-      if (store.record_of(0, pool.view.page_id(b, j)) >= 0) {
-        upd.push_back(pool.view.page_id(b, j));
-        ntok.push_back(std::min(P, pool.view.seq_len(b) - j * P));
-      }
+  test::summarised_pages(ec, &upd, &ntok);
   if (st.is_ok()) st = cfg.update_summaries(ex, dv, s, upd.data(), ntok.data(), static_cast<std::int32_t>(upd.size()));
   bool ok = cs.is_ok() && st.is_ok() && dst.code == 0;
   for (std::int32_t pid : upd) {

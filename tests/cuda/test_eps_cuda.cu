@@ -80,12 +80,7 @@ void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& p
   const sk::EpsCudaConfig cfg(p);
   KVKIT_REQUIRE_OK(cfg.reset_summaries(stream.exec(), s));
   std::vector<std::int32_t> upd, ntok;
-  for (std::int32_t b = 0; b < batch; ++b)
-    for (std::int32_t j = 0; j < pool.view.num_pages(b); ++j)
-      if (store.record_of(0, pool.view.page_id(b, j)) >= 0) {
-        upd.push_back(pool.view.page_id(b, j));
-        ntok.push_back(std::min(P, pool.view.seq_len(b) - j * P));
-      }
+  kvkit::test::summarised_pages(c, &upd, &ntok);
   DeviceBuffer<std::int32_t> d_upd(upd), d_ntok(ntok);
   KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, d_upd.get(), d_ntok.get(),
                                         static_cast<std::int32_t>(upd.size())));
