@@ -106,6 +106,11 @@ EpsCase<T> make_eps_case(std::mt19937_64& rng, const EpsCaseOptions& o) {
   c.p.last_n = 1 + static_cast<std::int32_t>(rng() % 3);
   c.p.top_pages = rng() % 3 == 0 ? 1 + static_cast<std::int32_t>(rng() % 10) : 0;
   if (rng() % 4 == 0) c.p.head_on = {1, static_cast<std::uint8_t>(rng() % 2)};
+  // The cap on scored groups: none (the plain ε rule), the default fraction, a random one,
+  // sometimes with a count budget too.
+  const double fractions[] = {1.0, 0.25, 0.05 + 0.95 * static_cast<double>(rng() % 1000) / 1000.0};
+  c.p.score_fraction = fractions[rng() % 3];
+  c.p.score_budget = rng() % 4 == 0 ? 1 + static_cast<std::int32_t>(rng() % 8) : 0;
   for (std::int32_t b = 0; b < c.batch; ++b) {
     c.used += c.pool->view.num_pages(b);
     c.max_pages = std::max(c.max_pages, c.pool->view.num_pages(b));

@@ -86,6 +86,7 @@ void property_round(std::mt19937_64& rng, sk::SketchMethod method, double eps, s
   p.eps = eps;
   p.group_pages = group;
   p.last_n = 1;
+  p.score_fraction = 1;  // the plain ε rule: its skips are what is checked
   sk::SketchStore store(p, 1, spec.num_kv_heads, d, spec.page_size, pool.geometry.num_pages);
   store.sync(0, pool.view);
   sk::SketchSelector sel(store);
@@ -164,6 +165,8 @@ TEST_CASE("eps: bad parameters throw kvkit::Error naming the value", "[eps]") {
   bad([](sk::SketchParams& p) { p.group_pages = 0; }, "group size (pages) must be >= 1, got 0");
   bad([](sk::SketchParams& p) { p.last_n = 0; }, "last_n must be >= 1, got 0");
   bad([](sk::SketchParams& p) { p.alpha = 0.5; }, "alpha must be >= 1, got 0.5");
+  bad([](sk::SketchParams& p) { p.score_fraction = 0; }, "score_fraction must be in (0, 1] (1: no limit), got 0");
+  bad([](sk::SketchParams& p) { p.score_fraction = 1.5; }, "score_fraction must be in (0, 1] (1: no limit), got 1.5");
   REQUIRE_THROWS_AS(sk::parse_method("pca"), kvkit::Error);
   REQUIRE_THROWS_WITH(sk::parse_method("pca"), Catch::Contains("'pca'"));
   REQUIRE(sk::parse_method("fd") == sk::SketchMethod::kFD);
@@ -338,6 +341,7 @@ TEST_CASE("eps: a planted needle's page is always visited in strict mode", "[eps
       p.method = m;
       p.eps = 1e-3;
       p.group_pages = 1 + trial % 3;
+      p.score_fraction = 1;  // the plain ε rule (it must skip pages here, not just visit all)
       sk::SketchStore store(p, 1, 1, d, spec.page_size, pool.geometry.num_pages);
       store.sync(0, pool.view);
       sk::SketchSelector sel(store);
@@ -439,6 +443,7 @@ TEST_CASE("eps: page-subset attention over all pages equals dense; strict subset
     sk::SketchParams p;
     p.eps = 1e-3;
     p.method = rep % 2 ? sk::SketchMethod::kFD : sk::SketchMethod::kBox;
+    p.score_fraction = 1;  // the plain ε rule, so that pages are skipped
     sk::SketchStore store(p, 1, 2, d, 16, pool.geometry.num_pages);
     store.sync(0, pool.view);
     sk::SketchSelector sel(store);

@@ -61,6 +61,7 @@ TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][
       p.eps = 1e-2;
       p.method = method;
       p.group_pages = 2;
+      p.score_fraction = 1;  // the plain ε rule, so that pages are skipped
       EpsPolicy pol(p);
       pol.attach(eng);
       const std::vector<std::int32_t> prompt = {1, 200, 300, 40, 55};
@@ -86,6 +87,46 @@ TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][
       REQUIRE(eng.pool_bytes("eps_summaries") == pol.store()->memory_bytes());
       REQUIRE(eng.kv_bytes_in_use() == eng.pages_bytes(eng.pages_in_use()) + pol.store()->memory_bytes());
     }
+  }
+}
+
+TEST_CASE("eps engine: the default scoring cap reads fewer keys and a superset of the plain rule's pages",
+          "[eps][engine]") {
+  for (const NamedModel& nm : models()) {
+    CAPTURE(nm.name);
+    EngineOptions o;
+    o.page_size = 8;
+    o.max_batch = 2;
+    Engine full(nm.ck, o), plain_eng(nm.ck, o), capped_eng(nm.ck, o);
+    sketch::SketchParams p;
+    p.strict = true;
+    p.eps = 1e-2;
+    p.score_fraction = 1;
+    EpsPolicy plain(p);
+    plain.attach(plain_eng);
+    p.score_fraction = sketch::SketchParams{}.score_fraction;  // the default cap
+    REQUIRE(p.score_fraction < 1);
+    EpsPolicy capped(p);
+    capped.attach(capped_eng);
+    for (Engine* e : {&full, &plain_eng, &capped_eng}) {
+      e->add_sequence({1, 200, 300, 40, 55});
+      e->add_sequence({1, 7});
+    }
+    const int steps = std::min(160, nm.ck->config().seq_len - 2);
+    for (int s = 0; s < steps; ++s) {
+      full.step();
+      plain_eng.step();
+      capped_eng.step();
+    }
+    for (SeqId id : full.sequences()) REQUIRE(full.tokens(id) == capped_eng.tokens(id));
+    const sketch::SketchTelemetry& a = plain.telemetry();
+    const sketch::SketchTelemetry& b = capped.telemetry();
+    INFO("plain: " << a.pages_visited << " pages, " << a.groups_scored << " scored; capped: " << b.pages_visited
+                   << " pages, " << b.groups_scored << " scored, of " << b.pages_total);
+    REQUIRE(a.pages_total == b.pages_total);
+    REQUIRE(b.pages_visited >= a.pages_visited);
+    REQUIRE(b.groups_scored < a.groups_scored);
+    REQUIRE(b.certified_omitted_max <= p.eps * (1 + 1e-9));
   }
 }
 

@@ -230,7 +230,7 @@ TEST_CASE("eps prepass: the partial-selection walk equals a full-sort walk (ties
   REQUIRE(stopped_early > cases / 10);  // not vacuous: the rule does stop
 }
 
-TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound certified; select() never allocates",
+TEST_CASE("eps prepass: a score budget or fraction visits a superset and keeps the bound certified; select() never allocates",
           "[eps]") {
   KVKIT_TEST_RNG(rng);
   RandomPool<float> pool = scaled_pool({1500, 700}, rng);
@@ -247,6 +247,7 @@ TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound cer
       p.method = m;
       p.eps = 1e-2;
       p.group_pages = 1 + round % 2;
+      p.score_fraction = 1;  // the plain ε rule
       sk::SketchStore store(p, 1, 2, d, 8, pool.geometry.num_pages);
       store.sync(0, pool.view);
       sk::SketchSelector exact(store);
@@ -256,7 +257,10 @@ TEST_CASE("eps prepass: a score budget visits a superset and keeps the bound cer
       REQUIRE(exact.select(0, pool.view, q.data(), Hq, 0.3f, &te).is_ok());
       REQUIRE(g_allocs.load() == a0);  // no allocation on the decode path
       sk::SketchParams pb = p;
-      pb.score_budget = 1 + round % 3;
+      if (round % 2 == 0)
+        pb.score_budget = 1 + round % 3;
+      else
+        pb.score_fraction = 0.05 * (round % 5 + 1);
       sk::SketchStore store_b(pb, 1, 2, d, 8, pool.geometry.num_pages);
       store_b.sync(0, pool.view);
       sk::SketchSelector budget(store_b);

@@ -168,7 +168,7 @@ TEST_CASE("eps twin: the kernel's bitonic sort gives rank_of's order (ties by po
 
 TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twin]") {
   KVKIT_TEST_RNG(rng);
-  std::int64_t early = 0, at_lim = 0;
+  std::int64_t early = 0, at_lim = 0, capped = 0;
   for (int it = 0; it < 3000; ++it) {
     const kvkit::test::WalkCase wc = kvkit::test::make_walk_case(rng, it % 10 == 0 ? 2000 : 150);
     const std::int32_t n = wc.n, levels = wc.levels, lim = wc.lim;
@@ -178,8 +178,17 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
     const std::vector<sk::detail::Mass128>& w = wc.w;
     const sk::detail::Mass128 W = wc.W;
     std::vector<std::int32_t> ord(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
-    const sk::detail::WalkResult want = sk::detail::certified_walk(ub.data(), w.data(), W, n, s0, eps, lim, 0, ord.data(),
-                                                                   out.data(), [&](std::int32_t i) { return mass[i]; });
+    // The cap on scored ranks: none in a third of the cases, else anything up to n.
+    const std::int32_t budget = it % 3 == 0 ? 0 : 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n));
+    const sk::detail::WalkResult want = sk::detail::certified_walk(
+        ub.data(), w.data(), W, n, s0, eps, lim, budget, ord.data(), out.data(), [&](std::int32_t i) { return mass[i]; });
+    REQUIRE((budget == 0 || want.scored <= budget));
+    {  // how often the cap changes the outcome (the test is not vacuous)
+      std::vector<std::int32_t> ord2(ord.size()), out2(out.size());
+      const sk::detail::WalkResult free = sk::detail::certified_walk(
+          ub.data(), w.data(), W, n, s0, eps, lim, 0, ord2.data(), out2.data(), [&](std::int32_t i) { return mass[i]; });
+      capped += free.visited != want.visited;
+    }
     // Twin: ranks by rank_of, tails in rank order, masses by rank, scored in chunks of 7.
     std::vector<std::int32_t> by_rank(static_cast<std::size_t>(n));
     for (std::int32_t i = 0; i < n; ++i) by_rank[tw::rank_of(ub.data(), n, i)] = i;
@@ -190,13 +199,13 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
     }
     std::vector<double> m(static_cast<std::size_t>(n), -1.0);
     std::int32_t next = 0;
-    const tw::WalkOut got = tw::walk(tail.data(), n, lim, s0, eps, m.data(), 7, [&](std::int32_t r0, std::int32_t r1) {
+    const tw::WalkOut got = tw::walk(tail.data(), n, lim, s0, eps, budget, m.data(), 7, [&](std::int32_t r0, std::int32_t r1) {
       REQUIRE(r0 == next);  // increasing, disjoint ranges
       REQUIRE(r1 > r0);
       for (std::int32_t r = r0; r < r1; ++r) m[r] = mass[by_rank[r]];
       next = r1;
     });
-    CAPTURE(it, n, levels, spread, s0, eps, lim, want.visited, got.visited);
+    CAPTURE(it, n, levels, spread, s0, eps, lim, budget, want.visited, got.visited);
     REQUIRE(got.visited == want.visited);
     REQUIRE(same_bits(got.omitted, want.omitted));
     std::vector<std::int32_t> a(out.begin(), out.begin() + want.visited), b(by_rank.begin(), by_rank.begin() + got.visited);
@@ -208,6 +217,7 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
   }
   REQUIRE(early > 100);  // the ε rule stopped early in many cases
   REQUIRE(at_lim > 10);
+  REQUIRE(capped > 50);  // ... and the scoring cap often visited more
 }
 
 namespace {
@@ -236,6 +246,8 @@ void prepass_case(std::mt19937_64& rng, std::int64_t& pruned, std::int64_t& tota
   a.eps = p.eps;
   a.last_n = p.last_n;
   a.top_pages = p.top_pages;
+  a.score_budget = p.score_budget;
+  a.score_fraction = p.score_fraction;
   a.head_mask = p.head_on.empty() ? ~0ull : ((p.head_on[0] ? 1ull : 0ull) | (p.head_on[1] ? 2ull : 0ull));
   a.scale = sm_scale;
   a.log_full = std::log(static_cast<double>(P));

@@ -12,6 +12,8 @@
 //   --top-pages N        cap on pages read beyond the last groups (default 0: none)
 //   --score-budget N     groups scored exactly per (sequence, query head) before the rest
 //                        up to the cap is read unscored (default 0: no limit)
+//   --score-fraction F   ... and at most ceil(F x candidates) of them (default 0.25; 1: no
+//                        limit, the plain eps rule)
 //   --jl-dim m, --fd-rows l, --alpha A   sketch sizes and the default-mode safety factor
 //   --summaries all|method  every summary of the seed (default) or only what --method
 //                        reads (SketchParams::all_summaries; the same pages, fewer bytes)
@@ -37,12 +39,13 @@ inline PolicyEntry eps_policy_entry() {
     std::string method = "box";
     std::string summaries = "all";
     std::int32_t group_pages = 1, last_n = 1, top_pages = 0, jl_dim = 8, fd_rows = 8, score_budget = 0;
+    double score_fraction = sketch::SketchParams{}.score_fraction;
   };
   auto o = std::make_shared<Opts>();
   PolicyEntry e;
   e.names = {"eps"};
   e.option_names = {"--strict", "--eps", "--method", "--group-pages", "--last-n",
-                    "--top-pages", "--jl-dim", "--fd-rows", "--alpha", "--score-budget", "--summaries"};
+                    "--top-pages", "--jl-dim", "--fd-rows", "--alpha", "--score-budget", "--score-fraction", "--summaries"};
   e.add_options = [o](CLI::App& g) {
     g.add_flag("--strict", o->strict, "eps: certified bounds only (omitted softmax mass <= --eps, guaranteed)");
     g.add_option("--eps", o->eps, "eps: omitted softmax mass budget in (0, 1) (default 1e-3)");
@@ -59,6 +62,9 @@ inline PolicyEntry eps_policy_entry() {
         ->check(CLI::IsMember({"all", "method"}));
     g.add_option("--score-budget", o->score_budget,
                  "eps: groups scored exactly per (sequence, query head); past it pages are read unscored (default 0: no limit)");
+    g.add_option("--score-fraction", o->score_fraction,
+                 "eps: at most this fraction of the candidate groups is scored; where the eps rule needs more, pages "
+                 "are read unscored (default 0.25; 1: no limit)");
   };
   e.make = [o](const std::string& name, const engine::ModelConfig&,
                const engine::EngineOptions&) -> std::unique_ptr<engine::EnginePolicy> {
@@ -73,6 +79,7 @@ inline PolicyEntry eps_policy_entry() {
     p.jl_dim = o->jl_dim;
     p.fd_rows = o->fd_rows;
     p.score_budget = o->score_budget;
+    p.score_fraction = o->score_fraction;
     p.all_summaries = o->summaries == "all";
     return std::make_unique<engine::EpsPolicy>(p, name);
   };

@@ -177,9 +177,9 @@ TEST_CASE("eps cuda: unsupported settings throw naming the value; bad inputs giv
   p.strict = false;
   REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("unsupported mode"));
   p.strict = true;
-  p.score_budget = 3;
-  REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("unsupported score_budget 3"));
-  p.score_budget = 0;
+  p.score_fraction = 0;  // validated like the CPU's
+  REQUIRE_THROWS_WITH(sk::EpsCudaConfig(p), Catch::Contains("score_fraction must be in (0, 1]"));
+  p.score_fraction = 0.25;
   const sk::EpsCudaConfig cfg(p);
   // Host-side checks need no GPU: a null status, null summaries.
   const sk::twin::BoxSummaries none{};

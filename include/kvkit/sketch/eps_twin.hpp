@@ -1,7 +1,7 @@
 #pragma once
 // Host-device twins of the Sketcher's strict pre-pass (sketch/eps.hpp), for the CUDA
 // kernels of kernels/cuda/eps.cuh. Scope: method box, strict mode, group_pages 1,
-// score_budget 0 (EpsCudaConfig refuses anything else).
+// any score_budget / score_fraction.
 //
 // Every per-item piece of the CUDA pre-pass is a KVKIT_HOST_DEVICE function here, so a
 // plain host test (no GPU) runs the very code the kernels run, in the kernels' schedule
@@ -322,15 +322,18 @@ struct WalkOut {
   double omitted = 0;
 };
 
-/// detail::certified_walk (score_budget 0) over n candidates in rank order: tail[r] =
-/// Σ w over ranks >= r (tail[n] = 0), s0 the always-visited mass relative to ref.
+/// detail::certified_walk over n candidates in rank order: tail[r] =
+/// Σ w over ranks >= r (tail[n] = 0), s0 the always-visited mass relative to ref, budget
+/// the cap on scored ranks (detail::score_limit; 0: none): where a stop would need more,
+/// ranks [0, lim) are visited and the mass seen so far bounds the omitted tail.
 /// score(r0, r1) must make mass[r] (the exact relative mass of rank r) readable for r in
 /// [r0, r1); it is called with increasing, disjoint ranges, from uniform control flow (on
 /// the device every thread of the block runs this function on the same data and score is
 /// a block-wide step). `chunk`: ranks scored at once in the one-by-one phase.
 template <class ScoreFn>
 KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int32_t n, std::int32_t lim, double s0,
-                               double eps, const double* mass /* [n] */, std::int32_t chunk, ScoreFn&& score) {
+                               double eps, std::int32_t budget, const double* mass /* [n] */, std::int32_t chunk,
+                               ScoreFn&& score) {
   WalkOut res;
   lim = lim < 0 ? 0 : (lim > n ? n : lim);
   if (lim == 0) {
@@ -340,11 +343,13 @@ KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int
   const double f = dadd(1.0, dmul(dadd(dmul(4.0, static_cast<double>(n)), 64.0), 0x1p-53));
   // Phase 1: the first rank where a stop is possible at all (rank 0 included).
   std::int32_t a = first_possible(tail, 0, lim, 0, s0, eps, f);
-  if (a == lim) {  // visited unscored, S = s0
-    res.visited = a;
-    res.omitted = omitted_of(tail[a], s0);
+  // Over the budget: ranks [0, lim) visited, unscored beyond those counted in S.
+  auto give_up = [&](double S_seen) {
+    res.visited = lim;
+    res.omitted = omitted_of(tail[lim], S_seen);
     return res;
-  }
+  };
+  if (a == lim || (budget > 0 && a > budget)) return give_up(s0);  // visited unscored, S = s0
   double S = s0;
   std::int32_t scored = a;
   if (a > 0) score(0, a);
@@ -362,6 +367,7 @@ KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int
     res.omitted = 0;
     return res;
   }
+  if (budget > 0 && a > budget) return give_up(S);
   if (a > scored) {
     score(scored, a);
     scored = a;
@@ -370,6 +376,7 @@ KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int
   cnt = a;
   // Phase 3: one rank at a time.
   while (cnt < lim && !(detail::tail_bound(tail[cnt]) <= dmul(eps, S))) {
+    if (budget > 0 && cnt + 1 > budget) return give_up(S);
     if (cnt >= scored) {
       const std::int32_t to = lim - cnt < chunk ? lim : cnt + chunk;
       score(scored, to);
@@ -388,6 +395,8 @@ struct PrepassArgs {
   double eps = 1e-3;
   std::int32_t last_n = 1;
   std::int32_t top_pages = 0;       // 0: no cap
+  std::int32_t score_budget = 0;    // SketchParams::score_budget (0: none)
+  double score_fraction = 1;        // SketchParams::score_fraction (1: none)
   std::uint64_t head_mask = ~0ull;  // bit h: pre-pass on for kv head h (this layer)
   double scale = 1;                 // softmax scale (the float sm_scale widened)
   double log_full = 0;              // std::log(page_size), computed on the host
@@ -479,7 +488,8 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
         mass.assign(static_cast<std::size_t>(nc), -1.0);
         const double s0 = dmul(S, exp_d(dsub(mx, ref)));
         const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
-        const WalkOut res = walk(tail.data(), nc, lim, s0, a.eps, mass.data(), 256, [&](std::int32_t r0, std::int32_t r1) {
+        const WalkOut res = walk(tail.data(), nc, lim, s0, a.eps, detail::score_limit(a.score_budget, a.score_fraction, nc),
+                                 mass.data(), 256, [&](std::int32_t r0, std::int32_t r1) {
           for (std::int32_t r = r0; r < r1; ++r) {
             const std::int32_t j = cand[ord[r]];
             const std::int32_t n = len - j * P < P ? len - j * P : P;

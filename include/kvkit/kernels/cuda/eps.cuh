@@ -4,8 +4,8 @@
 // of paged_decode_attention reads. Reached through <kvkit/cuda.cuh>.
 //
 // Scope (EpsCudaConfig throws kvkit::Error naming anything else): method box, strict
-// mode, group_pages 1, score_budget 0; last_n, top_pages, eps and the per-(layer, kv
-// head) on/off list as on the CPU. No telemetry (counts are in indptr).
+// mode, group_pages 1; last_n, top_pages, eps, score_budget, score_fraction and the
+// per-(layer, kv head) on/off list as on the CPU. No telemetry (counts are in indptr).
 //
 // Layout (sketch::twin::BoxSummaries, one per layer, caller-owned device memory):
 // box min / max [num_pages, Hkv, d], max‖k‖ and ‖max(|min|, |max|)‖ [num_pages, Hkv] and
@@ -338,7 +338,9 @@ __global__ void __launch_bounds__(kEpsThreads)
     __syncthreads();
     const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
     const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
-    const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps, mass, kEpsThreads, [&](std::int32_t from, std::int32_t to) {
+    const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps,
+                                       sketch::detail::score_limit(a.score_budget, a.score_fraction, nc), mass,
+                                       kEpsThreads, [&](std::int32_t from, std::int32_t to) {
       for (std::int32_t r = from + tid; r < to; r += kEpsThreads) {
         const std::int32_t j = cand[ord[r]];
         mass[r] = tw::page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d, a.scale, ref);
@@ -413,7 +415,6 @@ class EpsCudaConfig {
     KVKIT_CHECK(p_.strict, "eps cuda: unsupported mode: default (estimate) mode; only strict is on CUDA");
     KVKIT_CHECK(p_.method == SketchMethod::kBox, "eps cuda: unsupported method ", to_string(p_.method),
                 " in strict mode (only box is on CUDA)");
-    KVKIT_CHECK(p_.score_budget == 0, "eps cuda: unsupported score_budget ", p_.score_budget, " (only 0 is on CUDA)");
   }
   const SketchParams& params() const { return p_; }
 
@@ -557,6 +558,8 @@ class EpsCudaConfig {
     a.eps = p_.eps;
     a.last_n = p_.last_n;
     a.top_pages = p_.top_pages;
+    a.score_budget = p_.score_budget;
+    a.score_fraction = p_.score_fraction;
     a.head_mask = mask;
     a.scale = static_cast<double>(sm_scale);
     a.log_full = std::log(static_cast<double>(view.page_size));  // the CPU's log_full (g = 1)
