@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -328,6 +329,65 @@ TEMPLATE_TEST_CASE("paged_decode_attention variants: page subset, channels, scor
         std::vector<T> q = random_vector<T>(static_cast<std::size_t>(pool.batch()) * hq * q_width, rng, -3.f, 3.f);
         check(pool.view, q, p, rng);
       }
+}
+
+TEST_CASE("page subsets shared by a sequence's kv heads take one NHD walk with the same bits",
+          "[cpu][attention][variants]") {
+  // With NHD K the kernel walks the heads of an item together when their page lists are
+  // equal (always for dense, now also for equal subsets). A full subset must give the
+  // dense kernel's bits; a shared random subset, the bits of the one-head-at-a-time walk
+  // (forced by giving the last head a different list), for every head whose list is
+  // unchanged, at 1 to 4 threads; and both match the float64 reference.
+  KVKIT_TEST_RNG(rng);
+  Spec sp;
+  sp.hkv = 8;
+  sp.kdim = sp.vdim = 32;
+  sp.page_size = 16;
+  sp.k_layout = sp.v_layout = KVLayout::kNHD;
+  sp.lens = {700, 1, 3000, 90};
+  Pool<half_t> pool(sp, rng);
+  const std::int32_t hq = 16, group = hq / sp.hkv, batch = pool.batch();
+  std::vector<half_t> q = random_vector<half_t>(static_cast<std::size_t>(batch) * hq * sp.kdim, rng, -3.f, 3.f);
+  const DecodeAttentionParams dense{hq, 0.2f};
+  Subsets all, shared, odd;
+  std::bernoulli_distribution keep(0.4);
+  for (std::int32_t b = 0; b < batch; ++b) {
+    std::vector<std::int32_t> pick;
+    for (std::int32_t i = 0; i < pool.view.num_pages(b); ++i)
+      if (keep(rng) || i + 1 == pool.view.num_pages(b)) pick.push_back(i);
+    for (std::int32_t h = 0; h < sp.hkv; ++h) {
+      for (std::int32_t i = 0; i < pool.view.num_pages(b); ++i) all.pages.push_back(i);
+      shared.pages.insert(shared.pages.end(), pick.begin(), pick.end());
+      // odd: the last head drops its first page (so its list differs when it has two).
+      odd.pages.insert(odd.pages.end(), pick.begin() + (h + 1 == sp.hkv && pick.size() > 1 ? 1 : 0), pick.end());
+      all.indptr.push_back(static_cast<std::int32_t>(all.pages.size()));
+      shared.indptr.push_back(static_cast<std::int32_t>(shared.pages.size()));
+      odd.indptr.push_back(static_cast<std::int32_t>(odd.pages.size()));
+    }
+  }
+  auto with = [&](const Subsets& sub) {
+    DecodeAttentionParams p = dense;
+    p.page_subset_indptr = sub.indptr.data();
+    p.page_subset = sub.pages.data();
+    return p;
+  };
+  check(pool.view, q, with(shared), rng);  // float64 reference
+  check(pool.view, q, with(odd), rng);
+  for (int threads : {1, 2, 3, 4}) {
+    CAPTURE(threads);
+    const Run<half_t> d = run(pool.view, q, dense, threads, rng), a = run(pool.view, q, with(all), threads, rng);
+    const Run<half_t> sh = run(pool.view, q, with(shared), threads, rng), od = run(pool.view, q, with(odd), threads, rng);
+    REQUIRE((d.status.is_ok() && a.status.is_ok() && sh.status.is_ok() && od.status.is_ok()));
+    REQUIRE(bitwise_equal(d.out, a.out));
+    REQUIRE(bitwise_equal(d.lse, a.lse));
+    for (std::int32_t b = 0; b < batch; ++b)
+      for (std::int32_t h = 0; h + 1 < sp.hkv; ++h)
+        for (std::int32_t g = 0; g < group; ++g) {
+          const std::size_t row = static_cast<std::size_t>(b) * hq + static_cast<std::size_t>(h) * group + g;
+          REQUIRE(std::memcmp(&sh.out[row * sp.vdim], &od.out[row * sp.vdim], sizeof(half_t) * sp.vdim) == 0);
+          REQUIRE(std::memcmp(&sh.lse[row], &od.lse[row], sizeof(float)) == 0);
+        }
+  }
 }
 
 TEMPLATE_TEST_CASE("two page ranges merged with merge_attention_states equal the whole",

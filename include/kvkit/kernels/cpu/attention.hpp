@@ -117,6 +117,23 @@ PageList page_list(const PagedKVView<T>& view, const DecodeAttentionParams& p, s
   return {p.page_subset, p.page_subset_indptr[i], p.page_subset_indptr[i + 1]};
 }
 
+/// True when heads [h0, h0 + heads) of sequence b read the same pages: always without a
+/// page subset; with one, when their subset lists are equal (a Sketcher's GQA union, or
+/// every page, makes that common). Such heads can share one walk over the pages.
+template <class T>
+bool same_page_lists(const PagedKVView<T>& view, const DecodeAttentionParams& p, std::int32_t b, std::int32_t h0,
+                     std::int32_t heads) {
+  if (p.page_subset_indptr == nullptr || heads <= 1) return true;
+  const PageList first = page_list(view, p, b, h0);
+  for (std::int32_t i = 1; i < heads; ++i) {
+    const PageList other = page_list(view, p, b, h0 + i);
+    if (other.size() != first.size() ||
+        !std::equal(p.page_subset + first.begin, p.page_subset + first.end, p.page_subset + other.begin))
+      return false;
+  }
+  return true;
+}
+
 /// Chunks the list is cut into (shape-only: list length, page size, shape.splits).
 inline std::int32_t list_chunks(const PageList& list, std::int32_t page_size, std::int32_t splits) {
   if (splits <= 1 || list.size() <= 1) return 1;
@@ -721,8 +738,8 @@ inline void tile_for_head(const Tile<T>& src, std::int64_t koff, std::int64_t vo
   }
 }
 
-/// One work item: chunk c of the page lists of heads [h0, h0 + heads) of sequence b (one
-/// head when the heads' lists differ, i.e. with a page subset). Heads of a group walk the
+/// One work item: chunk c of the page lists of heads [h0, h0 + heads) of sequence b (the
+/// heads' lists must be equal: same_page_lists). Heads of a group walk the
 /// tiles together, so with NHD K the whole [heads, D] row of a token is read in one pass;
 /// each head's arithmetic is the same whatever the grouping. Leaves each head's state in
 /// its slice (slice_of(h)) and, when its list has a single chunk, writes its output rows.
@@ -903,11 +920,12 @@ Status paged_decode_attention(exec::Host ex, PagedKVView<T> view,
     return make_status(StatusCode::kInvalidArgument, "workspace of ", ws.bytes, " bytes too small");
   auto slice = [&](std::int64_t item) { return scratch + static_cast<std::size_t>(item) * s.item_floats; };
 
-  // NHD K (heads of a token adjacent) and the same pages for every head: one item covers
-  // several heads so each token's row is read in one pass. The grouping may follow the
-  // thread count: it changes which heads an item holds, never a head's arithmetic.
+  // NHD K (heads of a token adjacent): one item covers several heads so each token's row
+  // is read in one pass, when they read the same pages (always without a page subset; with
+  // one, checked per item, else the item's heads run one by one). The grouping may follow
+  // the thread count: it changes which heads an item holds, never a head's arithmetic.
   const std::int32_t hpi =
-      view.k_layout == KVLayout::kNHD && p.page_subset_indptr == nullptr
+      view.k_layout == KVLayout::kNHD
           ? detail::heads_per_item(
                 ex, static_cast<std::int32_t>(std::min<std::int64_t>(
                         std::numeric_limits<std::int32_t>::max(),
@@ -924,8 +942,11 @@ Status paged_decode_attention(exec::Host ex, PagedKVView<T> view,
       auto slice_of = [&](std::int32_t h) {
         return slice((static_cast<std::int64_t>(b) * s.hkv + h) * s.splits + c);
       };
-      detail::cpu::decode_item(view, q, out, lse, p, s, slice_of, b,
-                               static_cast<std::int32_t>(bg % groups) * hpi, hpi, c);
+      const std::int32_t h0 = static_cast<std::int32_t>(bg % groups) * hpi;
+      if (detail::cpu::same_page_lists(view, p, b, h0, hpi))
+        detail::cpu::decode_item(view, q, out, lse, p, s, slice_of, b, h0, hpi, c);
+      else
+        for (std::int32_t h = h0; h < h0 + hpi; ++h) detail::cpu::decode_item(view, q, out, lse, p, s, slice_of, b, h, 1, c);
     }
   });
   if (s.splits > 1) {
