@@ -946,7 +946,8 @@ Status paged_decode_attention(exec::Host ex, PagedKVView<T> view,
       if (detail::cpu::same_page_lists(view, p, b, h0, hpi))
         detail::cpu::decode_item(view, q, out, lse, p, s, slice_of, b, h0, hpi, c);
       else
-        for (std::int32_t h = h0; h < h0 + hpi; ++h) detail::cpu::decode_item(view, q, out, lse, p, s, slice_of, b, h, 1, c);
+        for (std::int32_t h = h0; h < h0 + hpi; ++h)
+          detail::cpu::decode_item(view, q, out, lse, p, s, slice_of, b, h, 1, c);
     }
   });
   if (s.splits > 1) {
