@@ -4,8 +4,8 @@
 // (the kernels on a GPU) and scripts/cuda_emulation/emulate_eps_cuda.cpp (the kernels on
 // host threads). A case is a paged pool whose pages have their own log-normal scales and
 // offsets (so bounds differ and prune) with needles (in some pages one key is 2.5x a
-// query), fresh queries, random SketchParams (eps, last_n, top_pages, heads switched
-// off, sometimes too few records), and the CPU Sketcher's store and selection over it:
+// query), fresh queries, random SketchParams (eps, last_n, top_pages, scoring caps,
+// heads switched off, sometimes too few records), and the CPU Sketcher's store and selection over it:
 // the reference every twin must equal. Also random inputs of the ε walk alone
 // (make_walk_case), shared by test_eps_prepass and test_eps_twin.
 

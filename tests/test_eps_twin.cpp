@@ -208,6 +208,7 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
     CAPTURE(it, n, levels, spread, s0, eps, lim, budget, want.visited, got.visited);
     REQUIRE(got.visited == want.visited);
     REQUIRE(same_bits(got.omitted, want.omitted));
+    REQUIRE((budget == 0 || next <= budget));  // no rank scored past the cap, chunks included
     std::vector<std::int32_t> a(out.begin(), out.begin() + want.visited), b(by_rank.begin(), by_rank.begin() + got.visited);
     std::sort(a.begin(), a.end());
     std::sort(b.begin(), b.end());

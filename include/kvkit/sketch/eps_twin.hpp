@@ -378,7 +378,8 @@ KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int
   while (cnt < lim && !(detail::tail_bound(tail[cnt]) <= dmul(eps, S))) {
     if (budget > 0 && cnt + 1 > budget) return give_up(S);
     if (cnt >= scored) {
-      const std::int32_t to = lim - cnt < chunk ? lim : cnt + chunk;
+      std::int32_t to = lim - cnt < chunk ? lim : cnt + chunk;
+      if (budget > 0 && to > budget) to = budget;  // never read K past the cap (cnt < budget here)
       score(scored, to);
       scored = to;
     }
