@@ -450,7 +450,7 @@ void bm_eps_prepass(benchmark::State& st, std::int32_t batch, std::int32_t len) 
   Dev<std::int32_t> dids(ids), dntok(ntok);
   BENCH_OK(st, cfg.reset_summaries(c.ex(), s));
   BENCH_OK(st, cfg.update_summaries(c.ex(), pool.dev_view, s, dids.p, dntok.p, pool.pages));
-  const sketch::EpsCudaShape shape{batch, kHkv, per_seq};
+  const sketch::EpsCudaShape shape{batch, kHkv, per_seq, kHq};
   Dev<unsigned char> ws(cfg.workspace_size(shape));
   Dev<std::int32_t> indptr(static_cast<std::size_t>(batch) * kHkv + 1),
       subset(static_cast<std::size_t>(batch) * kHkv * per_seq);

@@ -157,12 +157,15 @@ TEST_CASE("eps twin: the kernel's bitonic sort gives rank_of's order (ties by po
     std::vector<std::int32_t> ord(static_cast<std::size_t>(n2));
     for (std::int32_t i = 0; i < n2; ++i) ord[i] = i < n ? i : -1;
     std::shuffle(ord.begin(), ord.end(), rng);  // the network sorts any start order
+    std::vector<double> key(static_cast<std::size_t>(n2));
+    for (std::int32_t i = 0; i < n2; ++i) key[i] = ord[i] >= 0 ? ub[ord[i]] : -HUGE_VAL;
     for (std::int32_t k = 2; k <= n2; k <<= 1)
       for (std::int32_t j = k >> 1; j > 0; j >>= 1)
-        for (std::int32_t i = n2 - 1; i >= 0; --i) tw::bitonic_step(ord.data(), ub.data(), k, j, i);
+        for (std::int32_t p = n2 / 2 - 1; p >= 0; --p) tw::bitonic_pair_step(key.data(), ord.data(), k, j, p);
     CAPTURE(it, n, levels);
     for (std::int32_t i = 0; i < n; ++i) REQUIRE(ord[tw::rank_of(ub.data(), n, i)] == i);
     for (std::int32_t r = n; r < n2; ++r) REQUIRE(ord[r] == -1);
+    for (std::int32_t r = 0; r < n; ++r) REQUIRE(key[r] == ub[ord[r]]);  // keys moved with their candidates
   }
 }
 

@@ -44,7 +44,8 @@ void run_case(std::mt19937_64& rng, bool long_seq = false) {
       nrm(static_cast<std::size_t>(pages) * hkv, 7.f), am(nrm.size(), 7.f);
   std::vector<std::int32_t> count(static_cast<std::size_t>(pages), 7);
   const sk::twin::BoxSummaries s{mn.data(), mx.data(), nrm.data(), am.data(), count.data(), pages, hkv, d};
-  const sk::EpsCudaConfig cfg(p);
+  sk::EpsCudaConfig cfg(p);
+  cfg.set_smem_sort(rng() % 2 != 0);  // both places of the sort: shared memory, workspace
   DeviceStatus dst;
   const exec::Cuda ex{nullptr, &dst};
   Status st = cfg.reset_summaries(ex, s);
@@ -63,7 +64,7 @@ void run_case(std::mt19937_64& rng, bool long_seq = false) {
     }
   }
   const bool sums_ok = ok;
-  const sk::EpsCudaShape shape{batch, hkv, max_pages};
+  const sk::EpsCudaShape shape{batch, hkv, max_pages, hq};
   std::vector<unsigned char> ws(cfg.workspace_size(shape) + 256);
   std::vector<std::int32_t> indptr(static_cast<std::size_t>(batch) * hkv + 1, -7),
       subset(static_cast<std::size_t>(batch) * hkv * max_pages, -7);

@@ -40,7 +40,8 @@ def rep(m):
 s, n = pat.subn(rep, s)
 assert n > 0 and '<<<' not in s, "launch syntax not rewritten (%d)" % n
 # Dynamic shared memory (eps.cuh's query row) as a static array.
-s = s.replace('extern __shared__ float qf[];  // [d]', 'static float qf[1024];  // [d] (dynamic shared memory)')
+s = s.replace('extern __shared__ __align__(16) unsigned char eps_dyn[];',
+              'alignas(16) static unsigned char eps_dyn[1 << 18];  // dynamic shared memory')
 assert 'extern __shared__' not in s, "dynamic shared memory left"
 open(sys.argv[2], 'w').write(s)
 PY

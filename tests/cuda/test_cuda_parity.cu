@@ -806,6 +806,56 @@ TEMPLATE_TEST_CASE("cuda contract: bad decode tables write nothing", "[cuda][att
   }
 }
 
+TEST_CASE("cuda parity: a long page subset reports its first bad entry", "[cuda][attention][errors]") {
+  // The device checks a subset with one thread per entry; the reported entry must still be
+  // the first bad one, as the CPU's serial scan finds it (two bad entries planted).
+  KVKIT_REQUIRE_GPU();
+  KVKIT_TEST_RNG(rng);
+  Stream stream;
+  KVPool<float> host(kPacked, 2, 16, 4, {2800, 40}, rng);  // 700 and 10 pages
+  DevicePool<float> dev(host);
+  const std::int32_t hq = 4;
+  for (int it = 0; it < 6; ++it) {
+    std::vector<std::int32_t> sip{0}, sub;
+    for (std::int32_t b = 0; b < 2; ++b)
+      for (std::int32_t h = 0; h < 2; ++h) {
+        for (std::int32_t j = 0; j < host.view.num_pages(b); ++j) sub.push_back(j);
+        sip.push_back(static_cast<std::int32_t>(sub.size()));
+      }
+    const std::int32_t h = uniform_int(rng, 0, 1), lo = sip[static_cast<std::size_t>(h)];
+    const std::int32_t i1 = uniform_int(rng, 1, 600), i2 = uniform_int(rng, i1 + 1, 699);
+    const bool order_first = it % 2 == 0;
+    // An order error repeats the previous entry; a range error names page 700 + i.
+    auto plant = [&](std::int32_t i, bool order) {
+      sub[static_cast<std::size_t>(lo + i)] = order ? sub[static_cast<std::size_t>(lo + i - 1)] : 700 + i;
+    };
+    plant(i2, !order_first);
+    plant(i1, order_first);
+    const std::int32_t e1 = sub[static_cast<std::size_t>(lo + i1)];
+    CAPTURE(it, h, i1, i2, order_first);
+    const auto q = test::random_vector<float>(2 * hq * 16, rng);
+    DecodeAttentionParams p{hq, 0.2f}, cp{hq, 0.2f};
+    cp.page_subset_indptr = sip.data();
+    cp.page_subset = sub.data();
+    std::vector<float> cpu_out(2 * hq * 16, 0.f);
+    std::vector<unsigned char> cpu_ws(paged_decode_attention_workspace_size(exec::Host{}, host.view, cp));
+    const Status cpu = paged_decode_attention(exec::Host{}, host.view, q.data(), cpu_out.data(), cp,
+                                              Workspace{cpu_ws.data(), cpu_ws.size()});
+    stream.reset();
+    DeviceBuffer<std::int32_t> dsip(sip), dsub(sub);
+    p.page_subset_indptr = dsip.get();
+    p.page_subset = dsub.get();
+    DeviceBuffer<unsigned char> dws(paged_decode_attention_workspace_size(stream.exec(), dev.view, p));
+    DeviceBuffer<float> dq(q), dout(cpu_out.size());
+    KVKIT_REQUIRE_OK(paged_decode_attention(stream.exec(), dev.view, dq.get(), dout.get(), p,
+                                            Workspace{dws.get(), dws.size()}));
+    const std::string at = "entry " + std::to_string(e1) + " at position " + std::to_string(i1);
+    require_device_error(stream.status(), cpu, at);
+    CHECK(cpu.message().find("page_subset[" + std::to_string(lo + i1) + "] = " + std::to_string(e1)) !=
+          std::string::npos);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // merge_attention_states
 

@@ -77,7 +77,10 @@ void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& p
       norm(static_cast<std::size_t>(pages_total) * hkv), amax(norm.size());
   DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages_total));
   const sk::twin::BoxSummaries s{mn.get(), mx.get(), norm.get(), amax.get(), count.get(), pages_total, hkv, d};
-  const sk::EpsCudaConfig cfg(p);
+  sk::EpsCudaConfig cfg(p);
+  const bool smem_sort = rng() % 2 != 0;  // both places of the sort: shared memory, workspace
+  cfg.set_smem_sort(smem_sort);
+  CAPTURE(smem_sort);
   KVKIT_REQUIRE_OK(cfg.reset_summaries(stream.exec(), s));
   std::vector<std::int32_t> upd, ntok;
   kvkit::test::summarised_pages(c, &upd, &ntok);
@@ -98,7 +101,7 @@ void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& p
   }
 
   // The device pre-pass.
-  const sk::EpsCudaShape shape{batch, hkv, max_pages};
+  const sk::EpsCudaShape shape{batch, hkv, max_pages, hq};
   DeviceBuffer<unsigned char> ws(cfg.workspace_size(shape));
   DeviceBuffer<T> dq(q);
   DeviceBuffer<std::int32_t> indptr(static_cast<std::size_t>(batch) * hkv + 1),
@@ -225,4 +228,15 @@ TEST_CASE("eps cuda: unsupported settings throw naming the value; bad inputs giv
     c = count.download();
     REQUIRE(std::all_of(c.begin(), c.end(), [](std::int32_t x) { return x == 0; }));
   }
+  // More query heads than the shape's workspace was sized for: refused on the host.
+  const std::int32_t hq = 2 * hkv, max_pages = pool.view.num_pages(0);
+  const sk::EpsCudaShape shape{1, hkv, max_pages, hkv};
+  DeviceBuffer<unsigned char> ws(cfg.workspace_size(shape));
+  DeviceBuffer<float> q(static_cast<std::size_t>(hq) * d);
+  DeviceBuffer<std::int32_t> indptr(static_cast<std::size_t>(hkv) + 1), subset(static_cast<std::size_t>(hkv) * max_pages);
+  DeviceBuffer<double> omitted(static_cast<std::size_t>(hq));
+  const kvkit::Status wide = cfg.select(stream.exec(), 0, dev.view, q.get(), hq, 0.125f, s, shape, indptr.get(),
+                                        subset.get(), omitted.get(), kvkit::Workspace{ws.get(), ws.size()});
+  REQUIRE(wide.code() == kvkit::StatusCode::kInvalidArgument);
+  REQUIRE_THAT(wide.message(), Catch::Contains("num_qo_heads " + std::to_string(hq)));
 }

@@ -170,58 +170,93 @@ KVKIT_HOST_DEVICE double qnorm_of(const float* q /* [d] */, std::int32_t d) {
   return sqrt(qn);
 }
 
+/// Lane j (0..7) of box_hi: Σ max(q_c·min_c, q_c·max_c) over the channels c ≡ j mod 8
+/// below 8⌊d/8⌋ in channel order, lane 0 going on with the tail channels. The CUDA
+/// pre-pass gives each lane its own thread (8 threads read 8 adjacent floats per step).
+KVKIT_HOST_DEVICE float box_hi_lane(const float* mn /* [d] */, const float* mx /* [d] */, std::int32_t d,
+                                    const float* q /* [d] */, std::int32_t j) {
+  float h = 0.f;
+  const std::int32_t d8 = d / 8 * 8;
+  for (std::int32_t c = j; c < d8; c += 8) {
+    const float a = fmul(q[c], mn[c]), b = fmul(q[c], mx[c]);
+    h = fadd(h, a > b ? a : b);
+  }
+  if (j == 0)
+    for (std::int32_t c = d8; c < d; ++c) {
+      const float a = fmul(q[c], mn[c]), b = fmul(q[c], mx[c]);
+      h = fadd(h, a > b ? a : b);
+    }
+  return h;
+}
+
 /// Σ_c max(q_c·min_c, q_c·max_c) with detail::box_bounds_block's arithmetic: 8 float lanes
-/// (lane j: channels c ≡ j mod 8; the tail past 8⌊d/8⌋ into lane 0), lanes summed in double
-/// in lane order.
+/// (box_hi_lane), lanes summed in double in lane order.
 KVKIT_HOST_DEVICE double box_hi(const float* mn /* [d] */, const float* mx /* [d] */, std::int32_t d,
                                 const float* q /* [d] */) {
-  float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  std::int32_t c = 0;
-  for (; c + 8 <= d; c += 8)
-    for (int j = 0; j < 8; ++j) {
-      const float a = fmul(q[c + j], mn[c + j]), b = fmul(q[c + j], mx[c + j]);
-      h[j] = fadd(h[j], a > b ? a : b);
-    }
-  for (; c < d; ++c) {
-    const float a = fmul(q[c], mn[c]), b = fmul(q[c], mx[c]);
-    h[0] = fadd(h[0], a > b ? a : b);
-  }
   double hs = 0;
-  for (int j = 0; j < 8; ++j) hs = dadd(hs, h[j]);
+  for (std::int32_t j = 0; j < 8; ++j) hs = dadd(hs, box_hi_lane(mn, mx, d, q, j));
   return hs;
+}
+
+/// box_norm_bound given box_hi's value hs.
+KVKIT_HOST_DEVICE double box_norm_bound_of(double hs, std::int32_t d, double qnorm, float amax_norm,
+                                           float max_norm) {
+  const double box = dadd(hs, detail::box_slack(d, qnorm, amax_norm));
+  const double nrm = dmul(dmul(qnorm, static_cast<double>(max_norm)), 1 + 1e-12);
+  return nrm < box ? nrm : box;  // std::min(box, nrm)
 }
 
 /// Certified bound min(box + slack, ‖q‖·max‖k‖·(1 + 1e-12)) of one (page, query head): the
 /// value detail::box_norm_bounds stores for it.
 KVKIT_HOST_DEVICE double box_norm_bound(const float* mn /* [d] */, const float* mx /* [d] */, std::int32_t d,
                                         const float* q /* [d] */, double qnorm, float amax_norm, float max_norm) {
-  const double box = dadd(box_hi(mn, mx, d, q), detail::box_slack(d, qnorm, amax_norm));
-  const double nrm = dmul(dmul(qnorm, static_cast<double>(max_norm)), 1 + 1e-12);
-  return nrm < box ? nrm : box;  // std::min(box, nrm)
+  return box_norm_bound_of(box_hi(mn, mx, d, q), d, qnorm, amax_norm, max_norm);
 }
 
-/// SketchSelector::logit_lo: q·k in 8 float lanes minus its rounding bound.
+/// Lane j (0..7) of logit_lo: the float sums of q_c·k_c and |q_c·k_c| over the channels
+/// c ≡ j mod 8 below 8⌊d/8⌋, lane 0 going on with the tail channels.
+struct LogitLane {
+  float a = 0.f, m = 0.f;
+};
 template <class T>
-KVKIT_HOST_DEVICE double logit_lo(const float* q /* [d] */, const T* k /* [d] */, std::int32_t d) {
-  float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, m[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  std::int32_t c = 0;
-  for (; c + 8 <= d; c += 8)
-    for (int j = 0; j < 8; ++j) {
-      const float x = fmul(q[c + j], to_float(k[c + j]));
-      a[j] = fadd(a[j], x);
-      m[j] = fadd(m[j], fabsf(x));
-    }
-  for (; c < d; ++c) {
+KVKIT_HOST_DEVICE LogitLane logit_lane(const float* q /* [d] */, const T* k /* [d] */, std::int32_t d, std::int32_t j) {
+  LogitLane l;
+  const std::int32_t d8 = d / 8 * 8;
+  for (std::int32_t c = j; c < d8; c += 8) {
     const float x = fmul(q[c], to_float(k[c]));
-    a[0] = fadd(a[0], x);
-    m[0] = fadd(m[0], fabsf(x));
+    l.a = fadd(l.a, x);
+    l.m = fadd(l.m, fabsf(x));
   }
+  if (j == 0)
+    for (std::int32_t c = d8; c < d; ++c) {
+      const float x = fmul(q[c], to_float(k[c]));
+      l.a = fadd(l.a, x);
+      l.m = fadd(l.m, fabsf(x));
+    }
+  return l;
+}
+
+/// logit_lo from its 8 lanes: the lane sums in double in lane order, minus the rounding
+/// bound.
+KVKIT_HOST_DEVICE double logit_lo_of(const float* a /* [8] */, const float* m /* [8] */, std::int32_t d) {
   double acc = 0, mag = 0;
   for (int j = 0; j < 8; ++j) {
     acc = dadd(acc, a[j]);
     mag = dadd(mag, m[j]);
   }
   return dsub(acc, dmul(detail::float_sum_slack(d), mag));
+}
+
+/// SketchSelector::logit_lo: q·k in 8 float lanes minus its rounding bound.
+template <class T>
+KVKIT_HOST_DEVICE double logit_lo(const float* q /* [d] */, const T* k /* [d] */, std::int32_t d) {
+  float a[8], m[8];
+  for (std::int32_t j = 0; j < 8; ++j) {
+    const LogitLane l = logit_lane(q, k, d, j);
+    a[j] = l.a;
+    m[j] = l.m;
+  }
+  return logit_lo_of(a, m, d);
 }
 
 /// One step of the always-visited pages' online log-sum-exp (x = s·logit, in token order).
@@ -271,18 +306,30 @@ KVKIT_HOST_DEVICE std::int32_t pow2_at_least(std::int32_t n) {
   return p;
 }
 
-/// Element i of stage (k, j) of a bitonic sorting network over ord[0..n2) (n2 a power of
-/// two; k = 2, 4, .., n2; j = k/2, .., 1; the pairs (i, i^j) of a stage are disjoint, so a
-/// thread per i runs a stage): afterwards ord is ascending in rank_less (the kernel's way
-/// to the rank order, O(n log² n) instead of rank_of's O(n²)).
-KVKIT_HOST_DEVICE void bitonic_step(std::int32_t* ord /* [n2] */, const double* ub, std::int32_t k, std::int32_t j,
-                                    std::int32_t i) {
-  const std::int32_t l = i ^ j;
-  if (l <= i) return;
-  const std::int32_t a = ord[i], b = ord[l];
-  if ((i & k) == 0 ? rank_less(ub, b, a) : rank_less(ub, a, b)) {
-    ord[i] = b;
-    ord[l] = a;
+/// rank_less on keys carried with the candidates: (ka, a) before (kb, b).
+KVKIT_HOST_DEVICE bool rank_before(double ka, std::int32_t a, double kb, std::int32_t b) {
+  if (a < 0) return false;
+  if (b < 0) return true;
+  return ka > kb || (ka == kb && a < b);
+}
+
+/// Pair p (0 <= p < n2/2) of stage (k, j) of a bitonic sorting network over the (key,
+/// candidate) pairs key/ord[0..n2) (n2 a power of two; k = 2, 4, .., n2; j = k/2, .., 1):
+/// p maps to the elements i (bit j clear) and i | j, so a stage's pairs are disjoint and a
+/// thread per pair runs it. Afterwards ord is in rank order (rank_before; padding -1
+/// last) and key holds each candidate's bound: the kernel's way to the rank order,
+/// O(n log² n) instead of rank_of's O(n²). The keys move with the candidates, so a
+/// comparison needs no dependent load.
+KVKIT_HOST_DEVICE void bitonic_pair_step(double* key /* [n2] */, std::int32_t* ord /* [n2] */, std::int32_t k,
+                                         std::int32_t j, std::int32_t p) {
+  const std::int32_t i = ((p & ~(j - 1)) << 1) | (p & (j - 1)), l = i | j;
+  const double ki = key[i], kl = key[l];
+  const std::int32_t oi = ord[i], ol = ord[l];
+  if ((i & k) == 0 ? rank_before(kl, ol, ki, oi) : rank_before(ki, oi, kl, ol)) {
+    key[i] = kl;
+    key[l] = ki;
+    ord[i] = ol;
+    ord[l] = oi;
   }
 }
 

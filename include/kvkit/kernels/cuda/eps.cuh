@@ -85,12 +85,66 @@ KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsThreads] shared */, int* 
   return incl - v;
 }
 
+/// Lanes per page in the pre-pass's bound and mass loops: lane l of an aligned group of 8
+/// threads computes the CPU's float lane l (twin::box_hi_lane / logit_lane), so the group
+/// reads 8 adjacent floats per step (one 32-byte sector) where one thread per page read a
+/// sector per float; lane 0 then combines the lanes in the CPU's order.
+inline constexpr int kEpsLanes = 8;
+inline constexpr int kEpsGroups = kEpsThreads / kEpsLanes;
+
+/// The 8 values v of a lane group, gathered in lane 0 (other lanes get garbage).
+KVKIT_DEVICE void eps_gather8(float v, float* out /* [8] */) {
+  const unsigned mask = 0xFFu << (threadIdx.x & 24u);  // the group's lanes in its warp
+  out[0] = v;
+#pragma unroll
+  for (int k = 1; k < kEpsLanes; ++k) out[k] = __shfl_xor_sync(mask, v, k);  // lane 0 gets lane k's
+}
+
+/// twin::box_hi of one (page, query head) by a lane group; the value is lane 0's.
+KVKIT_DEVICE double eps_group_box_hi(const float* mn, const float* mx, std::int32_t d, const float* q, int lane) {
+  namespace tw = sketch::twin;
+  float h[kEpsLanes];
+  eps_gather8(tw::box_hi_lane(mn, mx, d, q, lane), h);
+  double hs = 0;
+#pragma unroll
+  for (int j = 0; j < kEpsLanes; ++j) hs = tw::dadd(hs, h[j]);
+  return hs;
+}
+
+/// twin::page_mass of one page by a lane group; the value is lane 0's.
+template <class T>
+KVKIT_DEVICE double eps_group_page_mass(const float* q, const T* k0, std::int64_t stride, std::int32_t n,
+                                        std::int32_t d, double scale, double ref, int lane) {
+  namespace tw = sketch::twin;
+  double m = 0;
+  for (std::int32_t t = 0; t < n; ++t) {
+    const tw::LogitLane l = tw::logit_lane(q, k0 + t * stride, d, lane);
+    float a[kEpsLanes], g[kEpsLanes];
+    eps_gather8(l.a, a);
+    eps_gather8(l.m, g);
+    m = tw::dadd(m, tw::exp_d(tw::dsub(tw::dmul(scale, tw::logit_lo_of(a, g, d)), ref)));
+  }
+  return m;
+}
+
+/// twin::bitonic_pair_step's network over n2 (a power of two) (key, candidate) pairs by
+/// the block, a thread per pair: the sort was most of the pre-pass's instructions.
+KVKIT_DEVICE void eps_block_sort(double* key /* [n2] */, std::int32_t* ord /* [n2] */, std::int32_t n2) {
+  for (std::int32_t k = 2; k <= n2; k <<= 1)
+    for (std::int32_t j = k >> 1; j > 0; j >>= 1) {
+      for (std::int32_t p = static_cast<std::int32_t>(threadIdx.x); p < n2 / 2; p += kEpsThreads)
+        sketch::twin::bitonic_pair_step(key, ord, k, j, p);
+      __syncthreads();
+    }
+}
+
 /// Per-(b, kv head) scratch of the pre-pass, max_pages entries per block.
 struct EpsScratch {
   std::int32_t* cand = nullptr;     // [nb, M] candidate pages, ascending
   std::int32_t* alw = nullptr;      // [nb, M] always-visited pages, ascending
   std::int32_t* ord = nullptr;      // [nb, pow2 >= M] candidate at each rank (sort buffer)
-  double* ub = nullptr;             // [nb, M] log-mass bounds
+  double* ub = nullptr;             // [nb, pow2 >= M] bounds of the candidates (sort keys)
+  double* ub_page = nullptr;        // [nb, group, M] log-mass bound of each query head and page
   sketch::detail::Mass128* w = nullptr;     // [nb, M] quantised masses
   sketch::detail::Mass128* tail = nullptr;  // [nb, M + 1] tail sums by rank
   double* mass = nullptr;           // [nb, M] exact relative masses by rank
@@ -183,22 +237,98 @@ __global__ void eps_check_prepass_kernel(PagedKVView<T> view, std::int32_t max_p
   }
 }
 
+/// Whether `kernel` can take `bytes` of dynamic shared memory on the current device
+/// (raising its limit past the default 48 KiB where the device allows); host calls only,
+/// nothing on a stream, so select() stays capturable.
+template <class Kernel>
+Status eps_smem_fits(Kernel* kernel, std::size_t bytes, bool* fits) {
+  *fits = false;
+  int dev = 0, optin = 0;
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, kernel);
+  if (e != cudaSuccess) return cuda_status(e, "eps cuda select");
+  if (attr.sharedSizeBytes + bytes > static_cast<std::size_t>(optin)) return Status::ok();
+  if (static_cast<int>(bytes) > attr.maxDynamicSharedSizeBytes) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (e != cudaSuccess) return cuda_status(e, "eps cuda select");
+  }
+  *fits = true;
+  return Status::ok();
+}
+
+/// Pages per block of eps_bounds_kernel.
+inline constexpr int kEpsBoundPages = 128;
+
+/// The log-mass bound of every candidate page j of (sequence b, kv head h) for each query
+/// head gq of h's group: ub_page[(bh * group + gq) * max_pages + j] (pages always visited
+/// are skipped). A block per (b, kv head) and kEpsBoundPages pages, a lane group per page;
+/// the query heads share the page's box reads (L1). This is the pre-pass's one pass over
+/// all summaries, so it gets the whole GPU; the per-(b, kv head) walk then reads the
+/// bounds of its candidates from here.
+template <class T>
+__global__ void __launch_bounds__(kEpsThreads)
+    eps_bounds_kernel(PagedKVView<T> view, const T* q,  // [batch, Hq, d]
+                      std::int32_t hq, sketch::twin::BoxSummaries s, sketch::twin::PrepassArgs a,
+                      std::int32_t max_pages,
+                      double* ub_page,  // [batch * Hkv, Hq / Hkv, max_pages]
+                      const DeviceStatus* st) {
+  namespace tw = sketch::twin;
+  // Dynamic shared memory: the group's queries [group, d rounded up to 4] floats, then
+  // their norms [group] doubles.
+  extern __shared__ __align__(16) unsigned char eps_dyn[];
+  if (eps_block_failed(st)) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
+  const std::int32_t d = view.head_dim, P = view.page_size, grp = hq / hkv, qw = (d + 3) / 4 * 4;
+  const std::int32_t np = view.num_pages(b), len = view.seq_len(b);
+  const std::int32_t j0 = static_cast<std::int32_t>(blockIdx.y) * kEpsBoundPages;
+  const bool on = tw::head_is_on(a.head_mask, h);
+  if (!on || j0 >= np) return;  // block-uniform
+  float* qs = reinterpret_cast<float*>(eps_dyn);
+  double* qn = reinterpret_cast<double*>(eps_dyn + sizeof(float) * static_cast<std::size_t>(grp) * qw);
+  const T* qb = q + (static_cast<std::int64_t>(b) * hq + static_cast<std::int64_t>(h) * grp) * d;
+  for (std::int32_t i = tid; i < grp * d; i += kEpsThreads) qs[(i / d) * qw + i % d] = to_float(qb[i]);
+  __syncthreads();
+  for (std::int32_t gq = tid; gq < grp; gq += kEpsThreads) qn[gq] = tw::qnorm_of(qs + gq * qw, d);
+  __syncthreads();
+  const int lane = tid % kEpsLanes;
+  const std::int32_t j1 = j0 + kEpsBoundPages < np ? j0 + kEpsBoundPages : np;
+  for (std::int32_t j = j0 + tid / kEpsLanes; j < j1; j += kEpsGroups) {  // uniform in a lane group
+    const std::int32_t pid = view.page_id(b, j), ntok = len - j * P < P ? len - j * P : P;
+    if (tw::always_visited(s, on, j, np, a.last_n, pid, ntok)) continue;
+    const std::int64_t r = s.row(pid, h);
+    for (std::int32_t gq = 0; gq < grp; ++gq) {
+      const double hs = eps_group_box_hi(s.box_min + r * d, s.box_max + r * d, d, qs + gq * qw, lane);
+      if (lane == 0) {
+        const double u = tw::box_norm_bound_of(hs, d, qn[gq], s.amax_norm[r], s.max_norm[r]);
+        ub_page[(static_cast<std::size_t>(bh) * grp + gq) * max_pages + j] =
+            tw::log_mass_bound(ntok, P, a.log_full, a.scale, u);
+      }
+    }
+  }
+}
+
 /// One block per (sequence b, kv head h): the visit flags of b's pages for h (the union
 /// over h's query heads) and the omitted-mass bound of each query head.
 template <class T>
 __global__ void __launch_bounds__(kEpsThreads)
     eps_prepass_kernel(PagedKVView<T> view, const T* q,  // [batch, Hq, d]
                        std::int32_t hq, sketch::twin::BoxSummaries s, sketch::twin::PrepassArgs a,
-                       std::int32_t max_pages, EpsScratch ws,
+                       std::int32_t max_pages, EpsScratch ws, bool smem_sort,
                        double* omitted,  // [batch, Hq]
                        const DeviceStatus* st) {
   namespace tw = sketch::twin;
   using sketch::detail::Mass128;
-  extern __shared__ float qf[];  // [d]
+  // Dynamic shared memory: qf [d rounded up to a multiple of 4], then with smem_sort the
+  // sort's keys [pow2 >= max_pages] doubles and rank order [pow2 >= max_pages] ints.
+  extern __shared__ __align__(16) unsigned char eps_dyn[];
+  float* qf = reinterpret_cast<float*>(eps_dyn);
   __shared__ int scan[kEpsThreads];
   __shared__ double red[kEpsThreads];
   __shared__ unsigned long long red_hi[kEpsThreads], red_lo[kEpsThreads];
-  __shared__ double sh_mx, sh_s, sh_qn;
+  __shared__ double sh_mx, sh_s;
   if (eps_block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
@@ -207,8 +337,13 @@ __global__ void __launch_bounds__(kEpsThreads)
   const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
   std::int32_t* cand = ws.cand + base;
   std::int32_t* alw = ws.alw + base;
-  std::int32_t* ord = ws.ord + static_cast<std::size_t>(bh) * tw::pow2_at_least(max_pages);
-  double* ub = ws.ub + base;
+  const std::int32_t m2 = tw::pow2_at_least(max_pages);
+  const std::size_t qbytes = static_cast<std::size_t>((view.head_dim + 3) / 4 * 4) * sizeof(float);
+  // The bitonic sort's 78 barrier steps (4096 pages) touch every key and rank: in shared
+  // memory when they fit (EpsCudaConfig::select decides), else in the workspace.
+  std::int32_t* ord = smem_sort ? reinterpret_cast<std::int32_t*>(eps_dyn + qbytes + sizeof(double) * m2)
+                                : ws.ord + static_cast<std::size_t>(bh) * m2;
+  double* ub = smem_sort ? reinterpret_cast<double*>(eps_dyn + qbytes) : ws.ub + static_cast<std::size_t>(bh) * m2;
   Mass128* w = ws.w + base;
   Mass128* tail = ws.tail + static_cast<std::size_t>(bh) * (max_pages + 1);
   double* mass = ws.mass + base;
@@ -264,19 +399,16 @@ __global__ void __launch_bounds__(kEpsThreads)
     if (tid == 0) {
       sh_mx = mx;
       sh_s = S;
-      sh_qn = tw::qnorm_of(qf, d);
     }
     __syncthreads();
     mx = sh_mx;
     S = sh_s;
-    const double qn = sh_qn;
     // Bounds of every candidate; ref = max(mx, every bound).
     double lm = -HUGE_VAL;
+    const int lane = tid % kEpsLanes;
+    const double* ubq = ws.ub_page + (static_cast<std::size_t>(bh) * grp + gq) * max_pages;  // eps_bounds_kernel's
     for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
-      const std::int32_t j = cand[i];
-      const std::int64_t r = s.row(view.page_id(b, j), h);
-      const double u = tw::box_norm_bound(s.box_min + r * d, s.box_max + r * d, d, qf, qn, s.amax_norm[r], s.max_norm[r]);
-      ub[i] = tw::log_mass_bound(ntok_of(j), P, a.log_full, a.scale, u);
+      ub[i] = ubq[cand[i]];
       lm = lm < ub[i] ? ub[i] : lm;
     }
     red[tid] = lm;
@@ -298,14 +430,11 @@ __global__ void __launch_bounds__(kEpsThreads)
     const std::int32_t n2 = tw::pow2_at_least(nc);
     for (std::int32_t i = tid; i < n2; i += kEpsThreads) {
       if (i < nc) w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
+      else ub[i] = -HUGE_VAL;  // padding: never compared (ord -1 sorts last)
       ord[i] = i < nc ? i : -1;
     }
     __syncthreads();
-    for (std::int32_t k = 2; k <= n2; k <<= 1)
-      for (std::int32_t j = k >> 1; j > 0; j >>= 1) {
-        for (std::int32_t i = tid; i < n2; i += kEpsThreads) tw::bitonic_step(ord, ub, k, j, i);
-        __syncthreads();
-      }
+    eps_block_sort(ub, ord, n2);  // ub is permuted with ord: no longer by candidate
     // Tail sums by rank: thread t sums ranks [t·per, (t+1)·per), thread 0 turns the chunk
     // sums into suffixes, then each thread fills its chunk (exact integers: any order).
     const std::int32_t per = (nc + kEpsThreads - 1) / kEpsThreads;
@@ -340,10 +469,12 @@ __global__ void __launch_bounds__(kEpsThreads)
     const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
     const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps,
                                        sketch::detail::score_limit(a.score_budget, a.score_fraction, nc), mass,
-                                       kEpsThreads, [&](std::int32_t from, std::int32_t to) {
-      for (std::int32_t r = from + tid; r < to; r += kEpsThreads) {
+                                       kEpsGroups, [&](std::int32_t from, std::int32_t to) {
+      for (std::int32_t r = from + tid / kEpsLanes; r < to; r += kEpsGroups) {
         const std::int32_t j = cand[ord[r]];
-        mass[r] = tw::page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d, a.scale, ref);
+        const double m = eps_group_page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d,
+                                             a.scale, ref, lane);
+        if (lane == 0) mass[r] = m;
       }
       __syncthreads();
     });
@@ -401,6 +532,7 @@ struct EpsCudaShape {
   std::int32_t max_batch = 0;     // sequences per call
   std::int32_t num_kv_heads = 0;  // Hkv
   std::int32_t max_pages = 0;     // pages per sequence; subset holds max_batch*Hkv*max_pages entries
+  std::int32_t num_qo_heads = 0;  // Hq at most (a multiple of Hkv): the bounds' scratch
 };
 
 /// The strict box pre-pass of SketchParams p on CUDA (see the file comment). The
@@ -418,16 +550,25 @@ class EpsCudaConfig {
   }
   const SketchParams& params() const { return p_; }
 
+  /// Whether select() sorts a (sequence, query head)'s candidates in shared memory when
+  /// they fit (default: yes). Off keeps the sort in the workspace, as large page counts
+  /// do; for tests and comparisons, the results are the same.
+  void set_smem_sort(bool on) { smem_sort_ = on; }
+
   /// Bytes of scratch select() needs for `shape`.
   std::size_t workspace_size(const EpsCudaShape& shape) const {
     const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(shape.num_kv_heads);
     const std::size_t m = static_cast<std::size_t>(shape.max_pages);
     const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
+    const std::size_t grp = shape.num_kv_heads > 0 && shape.num_qo_heads > 0
+                                ? static_cast<std::size_t>(shape.num_qo_heads / shape.num_kv_heads)
+                                : 0;
     return WorkspaceSizer()
         .add<std::int32_t>(nb * m)
         .add<std::int32_t>(nb * m)
         .add<std::int32_t>(nb * m2)
-        .add<double>(nb * m)
+        .add<double>(nb * m2)
+        .add<double>(nb * grp * m)
         .add<detail::Mass128>(nb * m)
         .add<detail::Mass128>(nb * (m + 1))
         .add<double>(nb * m)
@@ -513,6 +654,9 @@ class EpsCudaConfig {
                        view.num_pages_total, " pages, summaries ", s.num_pages);
     KVKIT_CHECK_STATUS(num_qo_heads > 0 && num_qo_heads % hkv == 0, StatusCode::kInvalidArgument, kOp,
                        ": num_qo_heads ", num_qo_heads, " is not a positive multiple of ", hkv);
+    KVKIT_CHECK_STATUS(shape.num_qo_heads % hkv == 0 && num_qo_heads / hkv <= shape.num_qo_heads / hkv,
+                       StatusCode::kInvalidArgument, kOp, ": num_qo_heads ", num_qo_heads,
+                       " does not fit the shape's ", shape.num_qo_heads, " query heads");
     KVKIT_CHECK_STATUS(std::isfinite(sm_scale) && sm_scale > 0.f, StatusCode::kInvalidArgument, kOp, ": sm_scale ",
                        sm_scale, " must be finite and > 0");
     KVKIT_CHECK_STATUS(indptr != nullptr && subset != nullptr && omitted != nullptr && (q != nullptr || view.batch_size == 0),
@@ -537,7 +681,8 @@ class EpsCudaConfig {
     sc.cand = c.take<std::int32_t>(nb * m);
     sc.alw = c.take<std::int32_t>(nb * m);
     sc.ord = c.take<std::int32_t>(nb * static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)));
-    sc.ub = c.take<double>(nb * m);
+    sc.ub = c.take<double>(nb * static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)));
+    sc.ub_page = c.take<double>(nb * static_cast<std::size_t>(num_qo_heads / hkv) * m);
     sc.w = c.take<detail::Mass128>(nb * m);
     sc.tail = c.take<detail::Mass128>(nb * (m + 1));
     sc.mass = c.take<double>(nb * m);
@@ -563,9 +708,29 @@ class EpsCudaConfig {
     a.head_mask = mask;
     a.scale = static_cast<double>(sm_scale);
     a.log_full = std::log(static_cast<double>(view.page_size));  // the CPU's log_full (g = 1)
-    const std::size_t smem = static_cast<std::size_t>(view.head_dim) * sizeof(float);
+    // qf rounded up to whole 16-byte words: nvcc reads the last d % 4 floats of loops over
+    // qf (qnorm_of) with one 128-bit load, which compute-sanitizer reported past the end
+    // of a [d] allocation (d = 13, H100).
+    const std::size_t qbytes = static_cast<std::size_t>((view.head_dim + 3) / 4 * 4) * sizeof(float);
+    const std::size_t sort_bytes =
+        static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)) * (sizeof(double) + sizeof(std::int32_t));
+    const std::int32_t grp = num_qo_heads / hkv;
+    const std::int64_t chunks = (shape.max_pages + cd::kEpsBoundPages - 1) / cd::kEpsBoundPages;
+    const std::size_t bsmem = qbytes * static_cast<std::size_t>(grp) + sizeof(double) * static_cast<std::size_t>(grp);
+    bool bounds_fit = false;
+    KVKIT_RETURN_IF_ERROR(cd::eps_smem_fits(&cd::eps_bounds_kernel<T>, bsmem, &bounds_fit));
+    KVKIT_CHECK_STATUS(bounds_fit && chunks <= 65535, StatusCode::kUnsupported, kOp, ": unsupported group of ", grp,
+                       " query heads of ", view.head_dim, " (", bsmem, " bytes of shared memory) or ",
+                       shape.max_pages, " pages per sequence");
+    cd::eps_bounds_kernel<T><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), cd::kEpsThreads,
+                               bsmem, stream>>>(view, q, num_qo_heads, s, a, shape.max_pages, sc.ub_page, ex.status);
+    KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
+    bool smem_sort = false;
+    if (smem_sort_)
+      KVKIT_RETURN_IF_ERROR(cd::eps_smem_fits(&cd::eps_prepass_kernel<T>, qbytes + sort_bytes, &smem_sort));
+    const std::size_t smem = qbytes + (smem_sort ? sort_bytes : 0);
     cd::eps_prepass_kernel<T><<<static_cast<unsigned>(blocks), cd::kEpsThreads, smem, stream>>>(
-        view, q, num_qo_heads, s, a, shape.max_pages, sc, omitted, ex.status);
+        view, q, num_qo_heads, s, a, shape.max_pages, sc, smem_sort, omitted, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     cd::eps_emit_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(shape.max_pages, sc, indptr,
                                                                                         subset, ex.status);
@@ -583,6 +748,7 @@ class EpsCudaConfig {
   }
 
   SketchParams p_;
+  bool smem_sort_ = true;
 };
 
 }  // namespace sketch

@@ -59,6 +59,15 @@ inline float __shfl_xor_sync(unsigned mask, float v, int off) {
 #define __shared__ static
 #define __launch_bounds__(x)
 
+// Shared memory limits as an H100 reports them (227 KiB opt-in, 48 KiB by default).
+struct cudaFuncAttributes { std::size_t sharedSizeBytes = 8 << 10; int maxDynamicSharedSizeBytes = 48 << 10; };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = 227 << 10; return cudaSuccess; }
+template <class K> cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, K*) { *a = cudaFuncAttributes{}; return cudaSuccess; }
+template <class K> cudaError_t cudaFuncSetAttribute(K*, cudaFuncAttribute, int) { return cudaSuccess; }
+
 namespace emu {
 inline int launches = 0;
 inline void launch(dim3 grid, int threads, const std::function<void()>& body) {
