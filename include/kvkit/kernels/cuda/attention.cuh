@@ -454,44 +454,49 @@ __global__ void validate_decode_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
   for (std::int64_t bb = blockIdx.x; bb < view.batch_size; bb += gridDim.x) {
     const std::int32_t b = static_cast<std::int32_t>(bb);
     const std::int32_t np = check_sequence_pages_dev(view, b, st, lead, threadIdx.x, blockDim.x);
-    if (np < 0) continue;  // block-uniform: every thread read the same header
+    if (np < 0) continue;
     const std::int32_t len = view.seq_len(b);
     if (a.scores != nullptr && len > a.scores_stride && lead)
       report(st, StatusCode::kInvalidArgument, DeviceCheck::kScoresStride, len, -1, b,
              a.scores_stride);
-    if (a.subset_indptr == nullptr) continue;
-    for (std::int32_t h = 0; h < hkv; ++h) {
-      const std::int64_t r = static_cast<std::int64_t>(b) * hkv + h;
-      const std::int32_t lo = a.subset_indptr[r], hi = a.subset_indptr[r + 1];
-      if (lo < 0 || hi < lo) {
-        if (lead) report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetIndptr, lo, -1, b, hi, h);
-        continue;
-      }
-      if (hi > lo && a.subset == nullptr) {
-        if (lead) report(st, StatusCode::kInvalidArgument, DeviceCheck::kSubsetNull, hi - lo, -1, b, 0, h);
-        continue;
-      }
-      const std::int32_t n = hi - lo;
-      if (lead) first_bad = n;
-      __syncthreads();
-      for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n;
-           i += static_cast<std::int32_t>(blockDim.x)) {
-        const std::int32_t e = a.subset[lo + i];
-        if (e < 0 || e >= np || (i > 0 && e <= a.subset[lo + i - 1])) atomicMin(&first_bad, i);
-      }
-      __syncthreads();
-      if (lead && first_bad < n) {
-        // Entries before i are in range and ascending, so subset[i - 1] is the serial
-        // scan's `prev`.
-        const std::int32_t i = first_bad, e = a.subset[lo + i];
-        if (e < 0 || e >= np)
-          report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetEntry, e, i, b, np, h);
-        else  // in range but not ascending: kInvalidArgument, as on the CPU
-          report(st, StatusCode::kInvalidArgument, DeviceCheck::kSubsetOrder, e, i, b,
-                 a.subset[lo + i - 1], h);
-      }
-      __syncthreads();  // first_bad is reset for the next row
+  }
+  if (a.subset_indptr == nullptr) return;
+  // Subsets: block x takes rows (sequence, kv head) x, x + gridDim.x, ...
+  for (std::int64_t rr = blockIdx.x; rr < static_cast<std::int64_t>(view.batch_size) * hkv; rr += gridDim.x) {
+    const std::int32_t b = static_cast<std::int32_t>(rr / hkv), h = static_cast<std::int32_t>(rr % hkv);
+    // The header only (the loop above reports it and the page ids); block-uniform.
+    const std::int32_t np = check_sequence_pages_dev(view, b, st, false, std::int64_t{1} << 62, 1);
+    if (np < 0) continue;
+    const std::int64_t r = rr;
+    const std::int32_t lo = a.subset_indptr[r], hi = a.subset_indptr[r + 1];
+    if (lo < 0 || hi < lo) {
+      if (lead) report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetIndptr, lo, -1, b, hi, h);
+      continue;
     }
+    if (hi > lo && a.subset == nullptr) {
+      if (lead) report(st, StatusCode::kInvalidArgument, DeviceCheck::kSubsetNull, hi - lo, -1, b, 0, h);
+      continue;
+    }
+    const std::int32_t n = hi - lo;
+    if (lead) first_bad = n;
+    __syncthreads();
+    for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n;
+         i += static_cast<std::int32_t>(blockDim.x)) {
+      const std::int32_t e = a.subset[lo + i];
+      if (e < 0 || e >= np || (i > 0 && e <= a.subset[lo + i - 1])) atomicMin(&first_bad, i);
+    }
+    __syncthreads();
+    if (lead && first_bad < n) {
+      // Entries before i are in range and ascending, so subset[i - 1] is the serial
+      // scan's `prev`.
+      const std::int32_t i = first_bad, e = a.subset[lo + i];
+      if (e < 0 || e >= np)
+        report(st, StatusCode::kOutOfRange, DeviceCheck::kSubsetEntry, e, i, b, np, h);
+      else  // in range but not ascending: kInvalidArgument, as on the CPU
+        report(st, StatusCode::kInvalidArgument, DeviceCheck::kSubsetOrder, e, i, b,
+               a.subset[lo + i - 1], h);
+    }
+    __syncthreads();  // first_bad is reset for the next row
   }
 }
 
@@ -685,8 +690,8 @@ Status paged_decode_attention(exec::Cuda ex, PagedKVView<T> view,
   KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, kOp));
 
   cudaStream_t stream = cuda_detail::stream_of(ex);
-  const unsigned vgrid = static_cast<unsigned>(
-      view.batch_size < cuda_detail::kMaxCopyBlocks ? view.batch_size : cuda_detail::kMaxCopyBlocks);
+  const std::int64_t vrows = static_cast<std::int64_t>(view.batch_size) * (p.page_subset_indptr ? view.num_kv_heads : 1);
+  const unsigned vgrid = static_cast<unsigned>(vrows < cuda_detail::kMaxCopyBlocks ? vrows : cuda_detail::kMaxCopyBlocks);
   cuda_detail::validate_decode_kernel<T><<<vgrid, cuda_detail::kCopyThreads, 0, stream>>>(view, a);
   KVKIT_RETURN_IF_ERROR(cuda_detail::launch_status(kOp));
   if (p.v_channels != nullptr) {  // channels V does not cover are 0

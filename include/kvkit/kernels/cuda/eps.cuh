@@ -138,19 +138,23 @@ KVKIT_DEVICE void eps_block_sort(double* key /* [n2] */, std::int32_t* ord /* [n
     }
 }
 
-/// Per-(b, kv head) scratch of the pre-pass, max_pages entries per block.
+/// Scratch of the pre-pass: nb = batch x Hkv (sequence, kv head) rows and nq = nb x group
+/// (sequence, query head) rows of M = max_pages entries.
 struct EpsScratch {
   std::int32_t* cand = nullptr;     // [nb, M] candidate pages, ascending
   std::int32_t* alw = nullptr;      // [nb, M] always-visited pages, ascending
-  std::int32_t* ord = nullptr;      // [nb, pow2 >= M] candidate at each rank (sort buffer)
-  double* ub = nullptr;             // [nb, pow2 >= M] bounds of the candidates (sort keys)
-  double* ub_page = nullptr;        // [nb, group, M] log-mass bound of each query head and page
-  sketch::detail::Mass128* w = nullptr;     // [nb, M] quantised masses
-  sketch::detail::Mass128* tail = nullptr;  // [nb, M + 1] tail sums by rank
-  double* mass = nullptr;           // [nb, M] exact relative masses by rank
+  std::int32_t* ord = nullptr;      // [nq, pow2 >= M] candidate at each rank (sort buffer)
+  double* ub = nullptr;             // [nq, pow2 >= M] bounds of the candidates (sort keys)
+  double* ub_page = nullptr;        // [nq, M] log-mass bound of each page
+  sketch::detail::Mass128* w = nullptr;     // [nq, M] quantised masses
+  sketch::detail::Mass128* tail = nullptr;  // [nq, M + 1] tail sums by rank
+  double* mass = nullptr;           // [nq, M] exact relative masses by rank
+  std::uint8_t* pick = nullptr;     // [nq, M] 1: candidate page picked by the query head
   std::uint8_t* visit = nullptr;    // [nb, M] 1: page read
   std::int32_t* count = nullptr;    // [nb] pages read
   std::int32_t* np = nullptr;       // [nb] pages of the sequence
+  std::int32_t* nc = nullptr;       // [nb] candidates
+  std::int32_t* na = nullptr;       // [nb] pages always visited
 };
 
 /// Page ids and token counts of an update list within range, and no page id twice (two
@@ -310,13 +314,54 @@ __global__ void __launch_bounds__(kEpsThreads)
   }
 }
 
-/// One block per (sequence b, kv head h): the visit flags of b's pages for h (the union
-/// over h's query heads) and the omitted-mass bound of each query head.
+/// One block per (sequence b, kv head h): b's pages split into candidates and pages always
+/// visited (both ascending), the latter flagged in visit.
+template <class T>
+__global__ void __launch_bounds__(kEpsThreads)
+    eps_classify_kernel(PagedKVView<T> view, sketch::twin::BoxSummaries s, sketch::twin::PrepassArgs a,
+                        std::int32_t max_pages, EpsScratch ws, const DeviceStatus* st) {
+  namespace tw = sketch::twin;
+  __shared__ int scan[kEpsThreads];
+  if (eps_block_failed(st)) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
+  const std::int32_t P = view.page_size, np = view.num_pages(b), len = view.seq_len(b);
+  const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
+  const bool on = tw::head_is_on(a.head_mask, h);
+  std::int32_t nc = 0, na = 0;
+  for (std::int32_t j0 = 0; j0 < np; j0 += kEpsThreads) {
+    const std::int32_t j = j0 + tid;
+    int is_a = 0;
+    if (j < np) {
+      const std::int32_t ntok = len - j * P < P ? len - j * P : P;
+      is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), ntok) ? 1 : 0;
+      ws.visit[base + j] = static_cast<std::uint8_t>(is_a);
+    }
+    const int is_c = j < np ? 1 - is_a : 0;
+    int tot = 0;
+    const int pc = eps_block_scan(is_c, scan, &tot);
+    if (is_c) ws.cand[base + nc + pc] = j;
+    nc += tot;
+    const int pa = eps_block_scan(is_a, scan, &tot);
+    if (is_a) ws.alw[base + na + pa] = j;
+    na += tot;
+  }
+  if (tid == 0) {
+    ws.np[bh] = np;
+    ws.nc[bh] = nc;
+    ws.na[bh] = na;
+  }
+}
+
+/// One block per (sequence b, query head qh of kv head h): the ε walk of qh over the
+/// candidates of (b, h), writing pick[j] for every candidate page j (1: read) and the
+/// omitted-mass bound of qh. A block per query head rather than per kv head: at one
+/// sequence and 8 kv heads the pre-pass ran on 8 SMs of 132 (H100).
 template <class T>
 __global__ void __launch_bounds__(kEpsThreads)
     eps_prepass_kernel(PagedKVView<T> view, const T* q,  // [batch, Hq, d]
-                       std::int32_t hq, sketch::twin::BoxSummaries s, sketch::twin::PrepassArgs a,
-                       std::int32_t max_pages, EpsScratch ws, bool smem_sort,
+                       std::int32_t hq, sketch::twin::PrepassArgs a, std::int32_t max_pages, EpsScratch ws,
+                       bool smem_sort,
                        double* omitted,  // [batch, Hq]
                        const DeviceStatus* st) {
   namespace tw = sketch::twin;
@@ -331,165 +376,160 @@ __global__ void __launch_bounds__(kEpsThreads)
   __shared__ double sh_mx, sh_s;
   if (eps_block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
-  const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
-  const std::int32_t d = view.head_dim, P = view.page_size, grp = hq / hkv;
-  const std::int32_t np = view.num_pages(b), len = view.seq_len(b);
-  const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
-  std::int32_t* cand = ws.cand + base;
-  std::int32_t* alw = ws.alw + base;
+  const std::int32_t hkv = view.num_kv_heads, grp = hq / hkv;
+  const std::int32_t bq = blockIdx.x, bh = bq / grp, gq = bq % grp, b = bh / hkv, h = bh % hkv;
+  const std::int32_t qh = h * grp + gq;
+  const std::int32_t d = view.head_dim, P = view.page_size, len = view.seq_len(b);
+  if (!tw::head_is_on(a.head_mask, h)) {  // every page always visited
+    if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = 0;
+    return;
+  }
+  const std::size_t base = static_cast<std::size_t>(bh) * max_pages, qbase = static_cast<std::size_t>(bq) * max_pages;
+  const std::int32_t* cand = ws.cand + base;
+  const std::int32_t* alw = ws.alw + base;
+  const std::int32_t nc = ws.nc[bh], na = ws.na[bh];
   const std::int32_t m2 = tw::pow2_at_least(max_pages);
   const std::size_t qbytes = static_cast<std::size_t>((view.head_dim + 3) / 4 * 4) * sizeof(float);
   // The bitonic sort's 78 barrier steps (4096 pages) touch every key and rank: in shared
   // memory when they fit (EpsCudaConfig::select decides), else in the workspace.
   std::int32_t* ord = smem_sort ? reinterpret_cast<std::int32_t*>(eps_dyn + qbytes + sizeof(double) * m2)
-                                : ws.ord + static_cast<std::size_t>(bh) * m2;
-  double* ub = smem_sort ? reinterpret_cast<double*>(eps_dyn + qbytes) : ws.ub + static_cast<std::size_t>(bh) * m2;
-  Mass128* w = ws.w + base;
-  Mass128* tail = ws.tail + static_cast<std::size_t>(bh) * (max_pages + 1);
-  double* mass = ws.mass + base;
-  std::uint8_t* visit = ws.visit + base;
-  if (tid == 0) ws.np[bh] = np;
-  const bool on = tw::head_is_on(a.head_mask, h);
+                                : ws.ord + static_cast<std::size_t>(bq) * m2;
+  double* ub = smem_sort ? reinterpret_cast<double*>(eps_dyn + qbytes) : ws.ub + static_cast<std::size_t>(bq) * m2;
+  Mass128* w = ws.w + qbase;
+  Mass128* tail = ws.tail + static_cast<std::size_t>(bq) * (max_pages + 1);
+  double* mass = ws.mass + qbase;
+  std::uint8_t* pick = ws.pick + qbase;
   auto ntok_of = [&](std::int32_t j) { return len - j * P < P ? len - j * P : P; };
 
-  // Classify b's pages; candidates and always-visited pages in ascending order.
-  std::int32_t nc = 0, na = 0;
-  for (std::int32_t j0 = 0; j0 < np; j0 += kEpsThreads) {
-    const std::int32_t j = j0 + tid;
-    int is_a = 0;
-    if (j < np) {
-      is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), ntok_of(j)) ? 1 : 0;
-      visit[j] = static_cast<std::uint8_t>(is_a);
+  const T* qp = q + (static_cast<std::int64_t>(b) * hq + qh) * d;
+  for (std::int32_t c = tid; c < d; c += kEpsThreads) qf[c] = to_float(qp[c]);
+  __syncthreads();
+  // Exact log-sum-exp of the always-visited tokens, folded in token order by thread 0.
+  double mx = -HUGE_VAL, S = 0;
+  const std::int64_t flat = static_cast<std::int64_t>(na) * P;
+  for (std::int64_t f0 = 0; f0 < flat; f0 += kEpsThreads) {
+    const std::int64_t f = f0 + tid;
+    int ok = 0;
+    if (f < flat) {
+      const std::int32_t t = alw[f / P] * P + static_cast<std::int32_t>(f % P);
+      if (t < len) {
+        red[tid] = tw::dmul(a.scale, tw::logit_lo(qf, view.k_ptr(b, t, h), d));
+        ok = 1;
+      }
     }
-    const int is_c = j < np ? 1 - is_a : 0;
-    int tot = 0;
-    const int pc = eps_block_scan(is_c, scan, &tot);
-    if (is_c) cand[nc + pc] = j;
-    nc += tot;
-    const int pa = eps_block_scan(is_a, scan, &tot);
-    if (is_a) alw[na + pa] = j;
-    na += tot;
+    scan[tid] = ok;
+    __syncthreads();
+    if (tid == 0)
+      for (int i = 0; i < kEpsThreads && f0 + i < flat; ++i)
+        if (scan[i]) tw::online_step(red[i], &mx, &S);
+    __syncthreads();
   }
+  if (tid == 0) {
+    sh_mx = mx;
+    sh_s = S;
+  }
+  __syncthreads();
+  mx = sh_mx;
+  S = sh_s;
+  // Bounds of every candidate (eps_bounds_kernel's); ref = max(mx, every bound).
+  double lm = -HUGE_VAL;
+  const double* ubq = ws.ub_page + qbase;
+  for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
+    ub[i] = ubq[cand[i]];
+    lm = lm < ub[i] ? ub[i] : lm;
+  }
+  red[tid] = lm;
+  __syncthreads();
+  for (int k = kEpsThreads / 2; k > 0; k /= 2) {
+    if (tid < k && red[tid] < red[tid + k]) red[tid] = red[tid + k];
+    __syncthreads();
+  }
+  const double ref = mx < red[0] ? red[0] : mx;
+  __syncthreads();
+  if (!(S > 0) || !isfinite(mx)) {  // nothing always visited: visit everything
+    for (std::int32_t i = tid; i < nc; i += kEpsThreads) pick[cand[i]] = 1;
+    if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = 0;
+    return;
+  }
+  // Quantised masses; the rank order by a bitonic sort of the candidates (padded to a
+  // power of two with -1, which sorts last).
+  const std::int32_t n2 = tw::pow2_at_least(nc);
+  for (std::int32_t i = tid; i < n2; i += kEpsThreads) {
+    if (i < nc) w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
+    else ub[i] = -HUGE_VAL;  // padding: never compared (ord -1 sorts last)
+    ord[i] = i < nc ? i : -1;
+  }
+  __syncthreads();
+  eps_block_sort(ub, ord, n2);  // ub is permuted with ord: no longer by candidate
+  // Tail sums by rank: thread t sums ranks [t·per, (t+1)·per), thread 0 turns the chunk
+  // sums into suffixes, then each thread fills its chunk (exact integers: any order).
+  const std::int32_t per = (nc + kEpsThreads - 1) / kEpsThreads;
+  const std::int32_t r0 = tid * per < nc ? tid * per : nc, r1 = r0 + per < nc ? r0 + per : nc;
+  Mass128 loc;
+  for (std::int32_t r = r0; r < r1; ++r) loc.add(w[ord[r]]);
+  red_hi[tid] = loc.hi;
+  red_lo[tid] = loc.lo;
+  __syncthreads();
+  if (tid == 0) {
+    Mass128 acc;
+    for (int t = kEpsThreads - 1; t >= 0; --t) {
+      Mass128 x;
+      x.hi = red_hi[t];
+      x.lo = red_lo[t];
+      red_hi[t] = acc.hi;
+      red_lo[t] = acc.lo;
+      acc.add(x);
+    }
+    tail[nc] = Mass128{};
+  }
+  __syncthreads();
+  Mass128 tt;
+  tt.hi = red_hi[tid];
+  tt.lo = red_lo[tid];
+  for (std::int32_t r = r1 - 1; r >= r0; --r) {
+    tt.add(w[ord[r]]);
+    tail[r] = tt;
+  }
+  __syncthreads();
+  const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
+  const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
+  const int lane = tid % kEpsLanes;
+  const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps,
+                                     sketch::detail::score_limit(a.score_budget, a.score_fraction, nc), mass,
+                                     kEpsGroups, [&](std::int32_t from, std::int32_t to) {
+    for (std::int32_t r = from + tid / kEpsLanes; r < to; r += kEpsGroups) {
+      const std::int32_t j = cand[ord[r]];
+      const double m = eps_group_page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d,
+                                           a.scale, ref, lane);
+      if (lane == 0) mass[r] = m;
+    }
+    __syncthreads();
+  });
+  for (std::int32_t r = tid; r < nc; r += kEpsThreads) pick[cand[ord[r]]] = r < res.visited ? 1 : 0;
+  if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = res.omitted;
+}
 
-  for (std::int32_t gq = 0; on && gq < grp; ++gq) {
-    const std::int32_t qh = h * grp + gq;
-    const T* qp = q + (static_cast<std::int64_t>(b) * hq + qh) * d;
-    for (std::int32_t c = tid; c < d; c += kEpsThreads) qf[c] = to_float(qp[c]);
-    __syncthreads();
-    // Exact log-sum-exp of the always-visited tokens, folded in token order by thread 0.
-    double mx = -HUGE_VAL, S = 0;
-    const std::int64_t flat = static_cast<std::int64_t>(na) * P;
-    for (std::int64_t f0 = 0; f0 < flat; f0 += kEpsThreads) {
-      const std::int64_t f = f0 + tid;
-      int ok = 0;
-      if (f < flat) {
-        const std::int32_t t = alw[f / P] * P + static_cast<std::int32_t>(f % P);
-        if (t < len) {
-          red[tid] = tw::dmul(a.scale, tw::logit_lo(qf, view.k_ptr(b, t, h), d));
-          ok = 1;
-        }
-      }
-      scan[tid] = ok;
-      __syncthreads();
-      if (tid == 0)
-        for (int i = 0; i < kEpsThreads && f0 + i < flat; ++i)
-          if (scan[i]) tw::online_step(red[i], &mx, &S);
-      __syncthreads();
-    }
-    if (tid == 0) {
-      sh_mx = mx;
-      sh_s = S;
-    }
-    __syncthreads();
-    mx = sh_mx;
-    S = sh_s;
-    // Bounds of every candidate; ref = max(mx, every bound).
-    double lm = -HUGE_VAL;
-    const int lane = tid % kEpsLanes;
-    const double* ubq = ws.ub_page + (static_cast<std::size_t>(bh) * grp + gq) * max_pages;  // eps_bounds_kernel's
-    for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
-      ub[i] = ubq[cand[i]];
-      lm = lm < ub[i] ? ub[i] : lm;
-    }
-    red[tid] = lm;
-    __syncthreads();
-    for (int k = kEpsThreads / 2; k > 0; k /= 2) {
-      if (tid < k && red[tid] < red[tid + k]) red[tid] = red[tid + k];
-      __syncthreads();
-    }
-    const double ref = mx < red[0] ? red[0] : mx;
-    __syncthreads();
-    if (!(S > 0) || !isfinite(mx)) {  // nothing always visited: visit everything
-      for (std::int32_t i = tid; i < nc; i += kEpsThreads) visit[cand[i]] = 1;
-      if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = 0;
-      __syncthreads();
-      continue;
-    }
-    // Quantised masses; the rank order by a bitonic sort of the candidates (padded to a
-    // power of two with -1, which sorts last).
-    const std::int32_t n2 = tw::pow2_at_least(nc);
-    for (std::int32_t i = tid; i < n2; i += kEpsThreads) {
-      if (i < nc) w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
-      else ub[i] = -HUGE_VAL;  // padding: never compared (ord -1 sorts last)
-      ord[i] = i < nc ? i : -1;
-    }
-    __syncthreads();
-    eps_block_sort(ub, ord, n2);  // ub is permuted with ord: no longer by candidate
-    // Tail sums by rank: thread t sums ranks [t·per, (t+1)·per), thread 0 turns the chunk
-    // sums into suffixes, then each thread fills its chunk (exact integers: any order).
-    const std::int32_t per = (nc + kEpsThreads - 1) / kEpsThreads;
-    const std::int32_t r0 = tid * per < nc ? tid * per : nc, r1 = r0 + per < nc ? r0 + per : nc;
-    Mass128 loc;
-    for (std::int32_t r = r0; r < r1; ++r) loc.add(w[ord[r]]);
-    red_hi[tid] = loc.hi;
-    red_lo[tid] = loc.lo;
-    __syncthreads();
-    if (tid == 0) {
-      Mass128 acc;
-      for (int t = kEpsThreads - 1; t >= 0; --t) {
-        Mass128 x;
-        x.hi = red_hi[t];
-        x.lo = red_lo[t];
-        red_hi[t] = acc.hi;
-        red_lo[t] = acc.lo;
-        acc.add(x);
-      }
-      tail[nc] = Mass128{};
-    }
-    __syncthreads();
-    Mass128 tt;
-    tt.hi = red_hi[tid];
-    tt.lo = red_lo[tid];
-    for (std::int32_t r = r1 - 1; r >= r0; --r) {
-      tt.add(w[ord[r]]);
-      tail[r] = tt;
-    }
-    __syncthreads();
-    const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
-    const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
-    const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps,
-                                       sketch::detail::score_limit(a.score_budget, a.score_fraction, nc), mass,
-                                       kEpsGroups, [&](std::int32_t from, std::int32_t to) {
-      for (std::int32_t r = from + tid / kEpsLanes; r < to; r += kEpsGroups) {
-        const std::int32_t j = cand[ord[r]];
-        const double m = eps_group_page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d,
-                                             a.scale, ref, lane);
-        if (lane == 0) mass[r] = m;
-      }
-      __syncthreads();
-    });
-    for (std::int32_t r = tid; r < res.visited; r += kEpsThreads) visit[cand[ord[r]]] = 1;
-    if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = res.omitted;
-    __syncthreads();
-  }
-  // Pages read.
+/// One block per (sequence b, kv head h): the pages h reads (always visited, or picked by
+/// any of its query heads: GQA's union) and their count.
+template <class Unused = void>
+__global__ void __launch_bounds__(kEpsThreads)
+    eps_union_kernel(std::int32_t grp, std::int32_t max_pages, EpsScratch ws, const DeviceStatus* st) {
+  __shared__ int scan[kEpsThreads];
+  if (eps_block_failed(st)) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::int32_t bh = blockIdx.x, np = ws.np[bh];
+  const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
   int c = 0;
-  for (std::int32_t j = tid; j < np; j += kEpsThreads) c += visit[j];
+  for (std::int32_t j = tid; j < np; j += kEpsThreads) {
+    std::uint8_t v = ws.visit[base + j];
+    for (std::int32_t gq = 0; !v && gq < grp; ++gq)  // a candidate: every query head wrote its pick
+      v = ws.pick[(static_cast<std::size_t>(bh) * grp + gq) * max_pages + j];
+    ws.visit[base + j] = v;
+    c += v;
+  }
   int tot = 0;
   (void)eps_block_scan(c, scan, &tot);
   if (tid == 0) ws.count[bh] = tot;
-  if (!on)
-    for (std::int32_t gq = tid; gq < grp; gq += kEpsThreads) omitted[static_cast<std::int64_t>(b) * hq + h * grp + gq] = 0;
 }
 
 /// indptr / subset of block (b, kv head) from the visit flags.
@@ -563,16 +603,20 @@ class EpsCudaConfig {
     const std::size_t grp = shape.num_kv_heads > 0 && shape.num_qo_heads > 0
                                 ? static_cast<std::size_t>(shape.num_qo_heads / shape.num_kv_heads)
                                 : 0;
+    const std::size_t nq = nb * grp;
     return WorkspaceSizer()
         .add<std::int32_t>(nb * m)
         .add<std::int32_t>(nb * m)
-        .add<std::int32_t>(nb * m2)
-        .add<double>(nb * m2)
-        .add<double>(nb * grp * m)
-        .add<detail::Mass128>(nb * m)
-        .add<detail::Mass128>(nb * (m + 1))
-        .add<double>(nb * m)
+        .add<std::int32_t>(nq * m2)
+        .add<double>(nq * m2)
+        .add<double>(nq * m)
+        .add<detail::Mass128>(nq * m)
+        .add<detail::Mass128>(nq * (m + 1))
+        .add<double>(nq * m)
+        .add<std::uint8_t>(nq * m)
         .add<std::uint8_t>(nb * m)
+        .add<std::int32_t>(nb)
+        .add<std::int32_t>(nb)
         .add<std::int32_t>(nb)
         .add<std::int32_t>(nb)
         .bytes();
@@ -678,23 +722,29 @@ class EpsCudaConfig {
     const std::size_t m = static_cast<std::size_t>(shape.max_pages);
     WorkspaceCarver c(ws);
     cd::EpsScratch sc;
+    const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
+    const std::size_t nq = nb * static_cast<std::size_t>(shape.num_qo_heads / hkv);  // workspace_size's
     sc.cand = c.take<std::int32_t>(nb * m);
     sc.alw = c.take<std::int32_t>(nb * m);
-    sc.ord = c.take<std::int32_t>(nb * static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)));
-    sc.ub = c.take<double>(nb * static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)));
-    sc.ub_page = c.take<double>(nb * static_cast<std::size_t>(num_qo_heads / hkv) * m);
-    sc.w = c.take<detail::Mass128>(nb * m);
-    sc.tail = c.take<detail::Mass128>(nb * (m + 1));
-    sc.mass = c.take<double>(nb * m);
+    sc.ord = c.take<std::int32_t>(nq * m2);
+    sc.ub = c.take<double>(nq * m2);
+    sc.ub_page = c.take<double>(nq * m);
+    sc.w = c.take<detail::Mass128>(nq * m);
+    sc.tail = c.take<detail::Mass128>(nq * (m + 1));
+    sc.mass = c.take<double>(nq * m);
+    sc.pick = c.take<std::uint8_t>(nq * m);
     sc.visit = c.take<std::uint8_t>(nb * m);
     sc.count = c.take<std::int32_t>(nb);
     sc.np = c.take<std::int32_t>(nb);
-    KVKIT_CHECK_STATUS(sc.np != nullptr, StatusCode::kInvalidArgument, kOp, ": workspace of ", ws.bytes,
+    sc.nc = c.take<std::int32_t>(nb);
+    sc.na = c.take<std::int32_t>(nb);
+    KVKIT_CHECK_STATUS(sc.na != nullptr, StatusCode::kInvalidArgument, kOp, ": workspace of ", ws.bytes,
                        " bytes is too small");
     cudaStream_t stream = cd::stream_of(ex);
     const std::int64_t blocks = static_cast<std::int64_t>(view.batch_size) * hkv;
     if (blocks == 0) return cd::cuda_status(cudaMemsetAsync(indptr, 0, sizeof(std::int32_t), stream), kOp);
-    KVKIT_CHECK_STATUS(blocks <= 2147483647LL, StatusCode::kInvalidArgument, kOp, ": batch x kv heads ", blocks,
+    const std::int64_t qblocks = blocks * (num_qo_heads / hkv);
+    KVKIT_CHECK_STATUS(qblocks <= 2147483647LL, StatusCode::kInvalidArgument, kOp, ": batch x query heads ", qblocks,
                        " exceeds the CUDA grid limit");
     cd::eps_check_prepass_kernel<T><<<static_cast<unsigned>(view.batch_size < 1024 ? view.batch_size : 1024),
                                       cd::kEpsThreads, 0, stream>>>(view, shape.max_pages, ex.status);
@@ -725,12 +775,18 @@ class EpsCudaConfig {
     cd::eps_bounds_kernel<T><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), cd::kEpsThreads,
                                bsmem, stream>>>(view, q, num_qo_heads, s, a, shape.max_pages, sc.ub_page, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
+    cd::eps_classify_kernel<T><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(
+        view, s, a, shape.max_pages, sc, ex.status);
+    KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     bool smem_sort = false;
     if (smem_sort_)
       KVKIT_RETURN_IF_ERROR(cd::eps_smem_fits(&cd::eps_prepass_kernel<T>, qbytes + sort_bytes, &smem_sort));
     const std::size_t smem = qbytes + (smem_sort ? sort_bytes : 0);
-    cd::eps_prepass_kernel<T><<<static_cast<unsigned>(blocks), cd::kEpsThreads, smem, stream>>>(
-        view, q, num_qo_heads, s, a, shape.max_pages, sc, smem_sort, omitted, ex.status);
+    cd::eps_prepass_kernel<T><<<static_cast<unsigned>(qblocks), cd::kEpsThreads, smem, stream>>>(
+        view, q, num_qo_heads, a, shape.max_pages, sc, smem_sort, omitted, ex.status);
+    KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
+    cd::eps_union_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(grp, shape.max_pages, sc,
+                                                                                         ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     cd::eps_emit_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(shape.max_pages, sc, indptr,
                                                                                         subset, ex.status);
