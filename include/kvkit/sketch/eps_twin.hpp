@@ -466,7 +466,7 @@ KVKIT_HOST_DEVICE bool always_visited(const BoxSummaries& s, bool on, std::int32
 /// Host schedule of the CUDA pre-pass (same functions, same order of every sum), for
 /// views in host memory: visit [batch*Hkv, max_pages] (1: page read), omitted [batch*Hq],
 /// then indptr/subset as the emit kernel writes them. The tests compare it with
-/// SketchSelector; eps.cuh's kernels run the same steps with a block per (b, kv head).
+/// SketchSelector; eps.cuh's kernels run the same steps with a block per (b, query head).
 template <class T>
 void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, std::int32_t hq,
                   const BoxSummaries& s, const PrepassArgs& a, std::vector<std::int32_t>& indptr,

@@ -20,32 +20,43 @@
 //     over channels (min / max over the page's tokens in token order), over tokens
 //     (round_up ‖k‖), thread 0 the amax norm of the final box.
 //   select: check (page table, pages per sequence <= max_pages), then
-//     prepass  grid batch*Hkv, block 256, one block per (b, kv head), query heads of the
-//              group in turn: classify pages (always visited / candidate, block scans);
-//              exact log-sum-exp of the always-visited tokens (threads compute logits,
-//              thread 0 folds them in token order); bounds of every candidate (a thread
-//              per page); ref = block max; quantised masses; the rank order by a bitonic
-//              sort (O(n log² n / 256) per query head); tail sums by rank (per-thread
-//              chunks, thread-0 suffix over chunks); then every thread runs
-//              twin::walk on the same data (uniform control flow) and the masses it asks
-//              for are computed by all threads (a thread per page) behind a barrier.
-//              Visit flags are OR-ed over the group (the GQA union).
+//     bounds   grid (batch*Hkv, pages/128), block 256: an aligned group of 8 threads per
+//              page, lane l computing the CPU's float lane l of the box bound for each
+//              query head of the group (8 adjacent floats per step: coalesced), lane 0
+//              combining the lanes in the CPU's order; the one pass over every summary,
+//              so it gets the whole GPU
+//     classify grid batch*Hkv: candidates / always-visited pages (block scans)
+//     prepass  grid batch*Hq, block 256, one block per (b, query head): exact
+//              log-sum-exp of the always-visited tokens (threads compute logits, thread 0
+//              folds them in token order); the candidates' bounds; ref = block max;
+//              quantised masses; the rank order by a bitonic sort of (bound, candidate)
+//              pairs, in shared memory when it fits (up to 227 KiB on an H100: 16K pages);
+//              tail sums by rank (per-thread chunks, thread-0 suffix over chunks); then
+//              every thread runs twin::walk on the same data (uniform control flow) and
+//              the masses it asks for are computed by lane groups (a group per page)
+//              behind a barrier; a pick flag per candidate
+//     union    grid batch*Hkv: visit = always visited or picked by any query head of the
+//              group (the GQA union), and the count
 //     emit     grid batch*Hkv, block 256: offset = Σ counts before the block, indptr,
 //              ascending page indices by a block scan of the visit flags.
+// Measured on an H100 (bench_cuda eps_prepass, 64K tokens, one sequence, 32 / 8 heads of
+// 128): 254 us, 0.96x a dense decode step, where one block per (b, kv head) with a thread
+// per page took 3.4 ms (bench/RESULTS.md).
 // The per-item arithmetic is sketch/eps_twin.hpp's (shared with the host test), following
 // the CPU's order with non-contracted IEEE operations, so summaries are equal bit for bit
 // and the subsets equal the CPU's except where a stop test sits within ~1 ulp of CUDA's
 // exp vs glibc's (see eps_twin.hpp). Nothing is allocated or synchronised on the run path
 // (workspace via workspace_size), so a decode step can be captured in a CUDA graph.
 //
-// Limits (first version, not yet measured on a GPU): the always-visited tokens' exps are
-// folded serially by one thread (cheap for last_n pages, slow when many pages have no
-// summary); every thread of a block runs the walk's serial mass sum (O(pages visited)
-// per query head); one block per (b, kv head) whatever the sequence length; the update
-// list must hold distinct page ids. Verified without a GPU by tests/test_eps_twin.cpp
-// (the per-item functions and the host schedule against SketchSelector) and
-// scripts/cuda_emulation/run.sh eps (these kernels on host threads); tests/cuda/test_eps_cuda
-// runs them on a GPU.
+// Limits: the always-visited tokens' exps are folded serially by one thread (cheap for
+// last_n pages, slow when many pages have no summary); every thread of a block runs the
+// walk's serial mass sum (O(pages visited) per query head); one block per (b, query head)
+// whatever the sequence length (the sort and walk of 4096 candidates are most of the
+// 64K figure above); the update list must hold distinct page ids. Checked by
+// tests/cuda/test_eps_cuda on a GPU (H100: bits equal to the CPU Sketcher's, memcheck and
+// racecheck clean), and without one by tests/test_eps_twin.cpp (the per-item functions and
+// the host schedule against SketchSelector) and scripts/cuda_emulation/run.sh eps (these
+// kernels on host threads).
 
 #include <cmath>
 #include <cstddef>
