@@ -170,22 +170,26 @@ KVKIT_HOST_DEVICE double qnorm_of(const float* q /* [d] */, std::int32_t d) {
   return sqrt(qn);
 }
 
+/// Calls f(c) for the channels of float lane j (0..7) in order: c ≡ j mod 8 below
+/// 8⌊d/8⌋, then for lane 0 the tail channels (the CPU's 8-lane sums).
+template <class F>
+KVKIT_HOST_DEVICE void for_lane_channels(std::int32_t d, std::int32_t j, F&& f) {
+  const std::int32_t d8 = d / 8 * 8;
+  for (std::int32_t c = j; c < d8; c += 8) f(c);
+  if (j == 0)
+    for (std::int32_t c = d8; c < d; ++c) f(c);
+}
+
 /// Lane j (0..7) of box_hi: Σ max(q_c·min_c, q_c·max_c) over the channels c ≡ j mod 8
 /// below 8⌊d/8⌋ in channel order, lane 0 going on with the tail channels. The CUDA
 /// pre-pass gives each lane its own thread (8 threads read 8 adjacent floats per step).
 KVKIT_HOST_DEVICE float box_hi_lane(const float* mn /* [d] */, const float* mx /* [d] */, std::int32_t d,
                                     const float* q /* [d] */, std::int32_t j) {
   float h = 0.f;
-  const std::int32_t d8 = d / 8 * 8;
-  for (std::int32_t c = j; c < d8; c += 8) {
+  for_lane_channels(d, j, [&](std::int32_t c) {
     const float a = fmul(q[c], mn[c]), b = fmul(q[c], mx[c]);
     h = fadd(h, a > b ? a : b);
-  }
-  if (j == 0)
-    for (std::int32_t c = d8; c < d; ++c) {
-      const float a = fmul(q[c], mn[c]), b = fmul(q[c], mx[c]);
-      h = fadd(h, a > b ? a : b);
-    }
+  });
   return h;
 }
 
@@ -221,18 +225,11 @@ struct LogitLane {
 template <class T>
 KVKIT_HOST_DEVICE LogitLane logit_lane(const float* q /* [d] */, const T* k /* [d] */, std::int32_t d, std::int32_t j) {
   LogitLane l;
-  const std::int32_t d8 = d / 8 * 8;
-  for (std::int32_t c = j; c < d8; c += 8) {
+  for_lane_channels(d, j, [&](std::int32_t c) {
     const float x = fmul(q[c], to_float(k[c]));
     l.a = fadd(l.a, x);
     l.m = fadd(l.m, fabsf(x));
-  }
-  if (j == 0)
-    for (std::int32_t c = d8; c < d; ++c) {
-      const float x = fmul(q[c], to_float(k[c]));
-      l.a = fadd(l.a, x);
-      l.m = fadd(l.m, fabsf(x));
-    }
+  });
   return l;
 }
 
@@ -278,18 +275,29 @@ KVKIT_HOST_DEVICE double page_mass(const float* q /* [d] */, const T* k0, std::i
   return m;
 }
 
+/// Tokens of page j of a sequence of len tokens in pages of P (only the last is partial).
+KVKIT_HOST_DEVICE std::int32_t page_tokens(std::int32_t len, std::int32_t P, std::int32_t j) {
+  return len - j * P < P ? len - j * P : P;
+}
+
 /// Log-mass bound of a candidate page of ntok tokens with logit bound u.
 KVKIT_HOST_DEVICE double log_mass_bound(std::int32_t ntok, std::int32_t page_size, double log_full, double scale,
                                         double u) {
   return dadd(ntok == page_size ? log_full : log_d(static_cast<double>(ntok)), dmul(scale, u));
 }
 
-/// Rank order of candidates a, b: decreasing ub, ties by increasing position (certified_walk's
-/// `before`); -1 (sort padding) goes after every candidate.
-KVKIT_HOST_DEVICE bool rank_less(const double* ub /* [n] */, std::int32_t a, std::int32_t b) {
+/// Rank order of (bound ka, candidate a) and (kb, b): decreasing bound, ties by increasing
+/// position (certified_walk's `before`); candidate -1 (sort padding) goes after every
+/// candidate.
+KVKIT_HOST_DEVICE bool rank_before(double ka, std::int32_t a, double kb, std::int32_t b) {
   if (a < 0) return false;
   if (b < 0) return true;
-  return ub[a] > ub[b] || (ub[a] == ub[b] && a < b);
+  return ka > kb || (ka == kb && a < b);
+}
+
+/// rank_before of candidates a, b with their bounds in ub.
+KVKIT_HOST_DEVICE bool rank_less(const double* ub /* [n] */, std::int32_t a, std::int32_t b) {
+  return a >= 0 && (b < 0 || rank_before(ub[a], a, ub[b], b));
 }
 
 /// Rank of candidate i among n (O(n); the host schedule's way).
@@ -304,13 +312,6 @@ KVKIT_HOST_DEVICE std::int32_t pow2_at_least(std::int32_t n) {
   std::int32_t p = 1;
   while (p < n && p < (1 << 30)) p <<= 1;
   return p;
-}
-
-/// rank_less on keys carried with the candidates: (ka, a) before (kb, b).
-KVKIT_HOST_DEVICE bool rank_before(double ka, std::int32_t a, double kb, std::int32_t b) {
-  if (a < 0) return false;
-  if (b < 0) return true;
-  return ka > kb || (ka == kb && a < b);
 }
 
 /// Pair p (0 <= p < n2/2) of stage (k, j) of a bitonic sorting network over the (key,
@@ -488,7 +489,7 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
       alw.clear();
       visit.assign(static_cast<std::size_t>(np), 0);
       for (std::int32_t j = 0; j < np; ++j) {
-        const std::int32_t ntok = len - j * P < P ? len - j * P : P;
+        const std::int32_t ntok = page_tokens(len, P, j);
         if (always_visited(s, on, j, np, a.last_n, view.page_id(b, j), ntok)) {
           alw.push_back(j);
           visit[j] = 1;
@@ -513,7 +514,7 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
           const std::int64_t r = s.row(pid, h);
           const double u = box_norm_bound(s.box_min + r * d, s.box_max + r * d, d, qf.data(), qn, s.amax_norm[r],
                                           s.max_norm[r]);
-          ub[i] = log_mass_bound(len - j * P < P ? len - j * P : P, P, a.log_full, a.scale, u);
+          ub[i] = log_mass_bound(page_tokens(len, P, j), P, a.log_full, a.scale, u);
           m = m < ub[i] ? ub[i] : m;
         }
         const double ref = mx < m ? m : mx;
@@ -540,7 +541,7 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
                                  mass.data(), 256, [&](std::int32_t r0, std::int32_t r1) {
           for (std::int32_t r = r0; r < r1; ++r) {
             const std::int32_t j = cand[ord[r]];
-            const std::int32_t n = len - j * P < P ? len - j * P : P;
+            const std::int32_t n = page_tokens(len, P, j);
             mass[r] = page_mass(qf.data(), view.k_ptr(b, j * P, h), view.k_stride_token, n, d, a.scale, ref);
           }
         });

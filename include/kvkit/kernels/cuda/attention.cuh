@@ -426,11 +426,8 @@ __global__ void fill_scores_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
 template <class T>
 __global__ void validate_decode_kernel(PagedKVView<T> view, DecodeArgs<T> a) {
   DeviceStatus* st = a.status;
-  __shared__ int stop;
   __shared__ std::int32_t first_bad;
-  if (threadIdx.x == 0) stop = failed(st) ? 1 : 0;
-  __syncthreads();
-  if (stop) return;  // read once, so the block returns as a whole (it has barriers)
+  if (block_failed(st)) return;
   const std::int64_t tid = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   const std::int32_t hkv = view.num_kv_heads;

@@ -234,6 +234,15 @@ KVKIT_DEVICE void report(DeviceStatus* st, StatusCode code, DeviceCheck check, s
 /// validation kernels that set it ran before them on the same stream.)
 KVKIT_DEVICE bool failed(const DeviceStatus* st) { return st->code != 0; }
 
+/// failed(st) read once per block (every thread must call it), so a kernel with barriers
+/// returns as a whole even when another block of the grid reports while it starts.
+KVKIT_DEVICE bool block_failed(const DeviceStatus* st) {
+  __shared__ bool stop;
+  if (threadIdx.x == 0) stop = failed(st);
+  __syncthreads();
+  return stop;
+}
+
 /// Host side: every operation that launches kernels needs a status to report to.
 inline Status check_status_ptr(exec::Cuda ex, const char* op) {
   KVKIT_CHECK_STATUS(ex.status != nullptr, StatusCode::kInvalidArgument, op,

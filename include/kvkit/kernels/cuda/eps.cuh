@@ -61,6 +61,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvkit/kernels/cuda/common.cuh"
 #include "kvkit/sketch/eps.hpp"
@@ -71,13 +72,11 @@ namespace cuda_detail {
 
 inline constexpr int kEpsThreads = 256;
 
-/// failed(st) read once per block, so a block with barriers returns as a whole.
-KVKIT_DEVICE bool eps_block_failed(const DeviceStatus* st) {
-  __shared__ bool stop;
-  if (threadIdx.x == 0) stop = failed(st);
-  __syncthreads();
-  return stop;
-}
+/// Floats a query row of d takes in the kernels' shared memory: d rounded up to whole
+/// 16-byte words. nvcc reads the last d % 4 floats of loops over such a row (qnorm_of)
+/// with one 128-bit load, which compute-sanitizer reported past the end of a [d]
+/// allocation (d = 13, H100).
+KVKIT_HOST_DEVICE std::int32_t eps_row_floats(std::int32_t d) { return (d + 3) / 4 * 4; }
 
 /// Exclusive prefix sum of v over the block; *total gets the sum (every thread calls it).
 KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsThreads] shared */, int* total) {
@@ -200,7 +199,7 @@ __global__ void __launch_bounds__(kEpsThreads)
                       const std::int32_t* ntok,   // [n]
                       const DeviceStatus* st) {
   __shared__ float norms[kEpsThreads];
-  if (eps_block_failed(st)) return;
+  if (block_failed(st)) return;
   namespace tw = sketch::twin;
   const std::int32_t pid = pages[blockIdx.x], n = ntok[blockIdx.x], h = blockIdx.y, d = s.head_dim;
   const std::int64_t r = s.row(pid, h);
@@ -280,7 +279,7 @@ inline constexpr int kEpsBoundPages = 128;
 /// head gq of h's group: ub_page[(bh * group + gq) * max_pages + j] (pages always visited
 /// are skipped). A block per (b, kv head) and kEpsBoundPages pages, a lane group per page;
 /// the query heads share the page's box reads (L1). This is the pre-pass's one pass over
-/// all summaries, so it gets the whole GPU; the per-(b, kv head) walk then reads the
+/// all summaries, so it gets the whole GPU; the per-(b, query head) walk then reads the
 /// bounds of its candidates from here.
 template <class T>
 __global__ void __launch_bounds__(kEpsThreads)
@@ -293,10 +292,10 @@ __global__ void __launch_bounds__(kEpsThreads)
   // Dynamic shared memory: the group's queries [group, d rounded up to 4] floats, then
   // their norms [group] doubles.
   extern __shared__ __align__(16) unsigned char eps_dyn[];
-  if (eps_block_failed(st)) return;
+  if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
-  const std::int32_t d = view.head_dim, P = view.page_size, grp = hq / hkv, qw = (d + 3) / 4 * 4;
+  const std::int32_t d = view.head_dim, P = view.page_size, grp = hq / hkv, qw = eps_row_floats(d);
   const std::int32_t np = view.num_pages(b), len = view.seq_len(b);
   const std::int32_t j0 = static_cast<std::int32_t>(blockIdx.y) * kEpsBoundPages;
   const bool on = tw::head_is_on(a.head_mask, h);
@@ -311,7 +310,7 @@ __global__ void __launch_bounds__(kEpsThreads)
   const int lane = tid % kEpsLanes;
   const std::int32_t j1 = j0 + kEpsBoundPages < np ? j0 + kEpsBoundPages : np;
   for (std::int32_t j = j0 + tid / kEpsLanes; j < j1; j += kEpsGroups) {  // uniform in a lane group
-    const std::int32_t pid = view.page_id(b, j), ntok = len - j * P < P ? len - j * P : P;
+    const std::int32_t pid = view.page_id(b, j), ntok = tw::page_tokens(len, P, j);
     if (tw::always_visited(s, on, j, np, a.last_n, pid, ntok)) continue;
     const std::int64_t r = s.row(pid, h);
     for (std::int32_t gq = 0; gq < grp; ++gq) {
@@ -333,7 +332,7 @@ __global__ void __launch_bounds__(kEpsThreads)
                         std::int32_t max_pages, EpsScratch ws, const DeviceStatus* st) {
   namespace tw = sketch::twin;
   __shared__ int scan[kEpsThreads];
-  if (eps_block_failed(st)) return;
+  if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t hkv = view.num_kv_heads, bh = blockIdx.x, b = bh / hkv, h = bh % hkv;
   const std::int32_t P = view.page_size, np = view.num_pages(b), len = view.seq_len(b);
@@ -344,7 +343,7 @@ __global__ void __launch_bounds__(kEpsThreads)
     const std::int32_t j = j0 + tid;
     int is_a = 0;
     if (j < np) {
-      const std::int32_t ntok = len - j * P < P ? len - j * P : P;
+      const std::int32_t ntok = tw::page_tokens(len, P, j);
       is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), ntok) ? 1 : 0;
       ws.visit[base + j] = static_cast<std::uint8_t>(is_a);
     }
@@ -385,7 +384,7 @@ __global__ void __launch_bounds__(kEpsThreads)
   __shared__ double red[kEpsThreads];
   __shared__ unsigned long long red_hi[kEpsThreads], red_lo[kEpsThreads];
   __shared__ double sh_mx, sh_s;
-  if (eps_block_failed(st)) return;
+  if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t hkv = view.num_kv_heads, grp = hq / hkv;
   const std::int32_t bq = blockIdx.x, bh = bq / grp, gq = bq % grp, b = bh / hkv, h = bh % hkv;
@@ -400,7 +399,7 @@ __global__ void __launch_bounds__(kEpsThreads)
   const std::int32_t* alw = ws.alw + base;
   const std::int32_t nc = ws.nc[bh], na = ws.na[bh];
   const std::int32_t m2 = tw::pow2_at_least(max_pages);
-  const std::size_t qbytes = static_cast<std::size_t>((view.head_dim + 3) / 4 * 4) * sizeof(float);
+  const std::size_t qbytes = sizeof(float) * static_cast<std::size_t>(eps_row_floats(d));
   // The bitonic sort's 78 barrier steps (4096 pages) touch every key and rank: in shared
   // memory when they fit (EpsCudaConfig::select decides), else in the workspace.
   std::int32_t* ord = smem_sort ? reinterpret_cast<std::int32_t*>(eps_dyn + qbytes + sizeof(double) * m2)
@@ -410,7 +409,6 @@ __global__ void __launch_bounds__(kEpsThreads)
   Mass128* tail = ws.tail + static_cast<std::size_t>(bq) * (max_pages + 1);
   double* mass = ws.mass + qbase;
   std::uint8_t* pick = ws.pick + qbase;
-  auto ntok_of = [&](std::int32_t j) { return len - j * P < P ? len - j * P : P; };
 
   const T* qp = q + (static_cast<std::int64_t>(b) * hq + qh) * d;
   for (std::int32_t c = tid; c < d; c += kEpsThreads) qf[c] = to_float(qp[c]);
@@ -510,7 +508,7 @@ __global__ void __launch_bounds__(kEpsThreads)
                                      kEpsGroups, [&](std::int32_t from, std::int32_t to) {
     for (std::int32_t r = from + tid / kEpsLanes; r < to; r += kEpsGroups) {
       const std::int32_t j = cand[ord[r]];
-      const double m = eps_group_page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, ntok_of(j), d,
+      const double m = eps_group_page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, tw::page_tokens(len, P, j), d,
                                            a.scale, ref, lane);
       if (lane == 0) mass[r] = m;
     }
@@ -526,7 +524,7 @@ template <class Unused = void>
 __global__ void __launch_bounds__(kEpsThreads)
     eps_union_kernel(std::int32_t grp, std::int32_t max_pages, EpsScratch ws, const DeviceStatus* st) {
   __shared__ int scan[kEpsThreads];
-  if (eps_block_failed(st)) return;
+  if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t bh = blockIdx.x, np = ws.np[bh];
   const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
@@ -551,7 +549,7 @@ __global__ void __launch_bounds__(kEpsThreads)
                     std::int32_t* subset,  // [indptr[nb]]
                     const DeviceStatus* st) {
   __shared__ int scan[kEpsThreads];
-  if (eps_block_failed(st)) return;
+  if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t bh = blockIdx.x;
   int part = 0;
@@ -608,29 +606,10 @@ class EpsCudaConfig {
 
   /// Bytes of scratch select() needs for `shape`.
   std::size_t workspace_size(const EpsCudaShape& shape) const {
-    const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(shape.num_kv_heads);
-    const std::size_t m = static_cast<std::size_t>(shape.max_pages);
-    const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
-    const std::size_t grp = shape.num_kv_heads > 0 && shape.num_qo_heads > 0
-                                ? static_cast<std::size_t>(shape.num_qo_heads / shape.num_kv_heads)
-                                : 0;
-    const std::size_t nq = nb * grp;
-    return WorkspaceSizer()
-        .add<std::int32_t>(nb * m)
-        .add<std::int32_t>(nb * m)
-        .add<std::int32_t>(nq * m2)
-        .add<double>(nq * m2)
-        .add<double>(nq * m)
-        .add<detail::Mass128>(nq * m)
-        .add<detail::Mass128>(nq * (m + 1))
-        .add<double>(nq * m)
-        .add<std::uint8_t>(nq * m)
-        .add<std::uint8_t>(nb * m)
-        .add<std::int32_t>(nb)
-        .add<std::int32_t>(nb)
-        .add<std::int32_t>(nb)
-        .add<std::int32_t>(nb)
-        .bytes();
+    WorkspaceSizer z;
+    cuda_detail::EpsScratch sc;
+    scratch_layout(shape, sc, [&](auto*& p, std::size_t n) { z.add<std::remove_reference_t<decltype(*p)>>(n); });
+    return z.bytes();
   }
 
   /// Empties every summary of s (all pages invalid) on ex.stream.
@@ -729,26 +708,9 @@ class EpsCudaConfig {
     const std::size_t need = workspace_size(shape);
     KVKIT_CHECK_STATUS(ws.data != nullptr && ws.bytes >= need, StatusCode::kInvalidArgument, kOp, ": workspace of ",
                        ws.bytes, " bytes is smaller than the ", need, " bytes needed");
-    const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(hkv);
-    const std::size_t m = static_cast<std::size_t>(shape.max_pages);
     WorkspaceCarver c(ws);
     cd::EpsScratch sc;
-    const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
-    const std::size_t nq = nb * static_cast<std::size_t>(shape.num_qo_heads / hkv);  // workspace_size's
-    sc.cand = c.take<std::int32_t>(nb * m);
-    sc.alw = c.take<std::int32_t>(nb * m);
-    sc.ord = c.take<std::int32_t>(nq * m2);
-    sc.ub = c.take<double>(nq * m2);
-    sc.ub_page = c.take<double>(nq * m);
-    sc.w = c.take<detail::Mass128>(nq * m);
-    sc.tail = c.take<detail::Mass128>(nq * (m + 1));
-    sc.mass = c.take<double>(nq * m);
-    sc.pick = c.take<std::uint8_t>(nq * m);
-    sc.visit = c.take<std::uint8_t>(nb * m);
-    sc.count = c.take<std::int32_t>(nb);
-    sc.np = c.take<std::int32_t>(nb);
-    sc.nc = c.take<std::int32_t>(nb);
-    sc.na = c.take<std::int32_t>(nb);
+    scratch_layout(shape, sc, [&](auto*& p, std::size_t n) { p = c.take<std::remove_reference_t<decltype(*p)>>(n); });
     KVKIT_CHECK_STATUS(sc.na != nullptr, StatusCode::kInvalidArgument, kOp, ": workspace of ", ws.bytes,
                        " bytes is too small");
     cudaStream_t stream = cd::stream_of(ex);
@@ -769,10 +731,7 @@ class EpsCudaConfig {
     a.head_mask = mask;
     a.scale = static_cast<double>(sm_scale);
     a.log_full = std::log(static_cast<double>(view.page_size));  // the CPU's log_full (g = 1)
-    // qf rounded up to whole 16-byte words: nvcc reads the last d % 4 floats of loops over
-    // qf (qnorm_of) with one 128-bit load, which compute-sanitizer reported past the end
-    // of a [d] allocation (d = 13, H100).
-    const std::size_t qbytes = static_cast<std::size_t>((view.head_dim + 3) / 4 * 4) * sizeof(float);
+    const std::size_t qbytes = sizeof(float) * static_cast<std::size_t>(cd::eps_row_floats(view.head_dim));
     const std::size_t sort_bytes =
         static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages)) * (sizeof(double) + sizeof(std::int32_t));
     const std::int32_t grp = num_qo_heads / hkv;
@@ -812,6 +771,34 @@ class EpsCudaConfig {
                        StatusCode::kInvalidArgument, op, ": summaries need all five arrays and positive sizes (pages ",
                        s.num_pages, ", kv heads ", s.num_kv_heads, ", head_dim ", s.head_dim, ")");
     return Status::ok();
+  }
+
+  /// The scratch arrays of `shape` in workspace order: take(field, count) for each (one
+  /// list for workspace_size and select). nb (sequence, kv head) rows, nq (sequence,
+  /// query head) rows, m pages, m2 the sort's power of two.
+  template <class Take>
+  static void scratch_layout(const EpsCudaShape& shape, cuda_detail::EpsScratch& sc, Take&& take) {
+    const std::size_t nb = static_cast<std::size_t>(shape.max_batch) * static_cast<std::size_t>(shape.num_kv_heads);
+    const std::size_t m = static_cast<std::size_t>(shape.max_pages);
+    const std::size_t m2 = static_cast<std::size_t>(twin::pow2_at_least(shape.max_pages));
+    const std::size_t grp = shape.num_kv_heads > 0 && shape.num_qo_heads > 0
+                                ? static_cast<std::size_t>(shape.num_qo_heads / shape.num_kv_heads)
+                                : 0;
+    const std::size_t nq = nb * grp;
+    take(sc.cand, nb * m);
+    take(sc.alw, nb * m);
+    take(sc.ord, nq * m2);
+    take(sc.ub, nq * m2);
+    take(sc.ub_page, nq * m);
+    take(sc.w, nq * m);
+    take(sc.tail, nq * (m + 1));
+    take(sc.mass, nq * m);
+    take(sc.pick, nq * m);
+    take(sc.visit, nb * m);
+    take(sc.count, nb);
+    take(sc.np, nb);
+    take(sc.nc, nb);
+    take(sc.na, nb);
   }
 
   SketchParams p_;

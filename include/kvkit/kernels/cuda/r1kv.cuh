@@ -109,15 +109,6 @@ __device__ V r1kv_block_max(V v, V* red) {  // red: [kR1kvThreads] shared
   return out;
 }
 
-/// failed(st) read once per block, so a block with barriers returns as a whole even when
-/// another block of the same grid reports while it starts.
-KVKIT_DEVICE bool r1kv_block_failed(const DeviceStatus* st) {
-  __shared__ bool stop;
-  if (threadIdx.x == 0) stop = failed(st);
-  __syncthreads();
-  return stop;
-}
-
 /// True when x is neither NaN nor +-inf.
 KVKIT_DEVICE bool r1kv_finite(double x) { return fabs(x) <= 1.7976931348623157e308; }
 
@@ -186,7 +177,7 @@ __global__ void __launch_bounds__(kR1kvThreads)
                            double* __restrict__ attn,   // [Hkv, S]
                            double* __restrict__ imp,    // [Hkv, S]
                            const DeviceStatus* st) {
-  if (r1kv_block_failed(st)) return;
+  if (block_failed(st)) return;
   __shared__ float red_f[kR1kvThreads];
   __shared__ float inv_sum;
   const std::int32_t h = blockIdx.x;
@@ -297,7 +288,7 @@ __global__ void __launch_bounds__(kR1kvThreads)
                       double* __restrict__ red,        // [Hkv, S]
                       double* __restrict__ score,      // [Hkv, S]
                       DeviceStatus* st) {
-  if (r1kv_block_failed(st)) return;
+  if (block_failed(st)) return;
   __shared__ double red_d[kR1kvThreads];
   __shared__ double total;
   const std::int32_t h = blockIdx.x;
@@ -360,7 +351,7 @@ __global__ void __launch_bounds__(kR1kvThreads)
                          std::int32_t keep_stride,
                          std::int32_t* __restrict__ num_keep,  // [1]
                          const DeviceStatus* st) {
-  if (r1kv_block_failed(st)) return;
+  if (block_failed(st)) return;
   __shared__ std::int32_t counts[kR1kvThreads];
   const std::int32_t h = blockIdx.x;
   const int tid = threadIdx.x;

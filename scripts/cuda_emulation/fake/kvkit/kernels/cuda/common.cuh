@@ -106,6 +106,12 @@ inline void report(DeviceStatus* st, StatusCode code, DeviceCheck check, std::in
   st->pos = pos; st->seq = seq; st->head = head; st->bound = bound;
 }
 inline bool failed(const DeviceStatus* st) { std::lock_guard<std::mutex> l(g_mu); return st->code != 0; }
+inline bool block_failed(const DeviceStatus* st) {
+  __shared__ bool stop;
+  if (threadIdx.x == 0) stop = failed(st);
+  __syncthreads();
+  return stop;
+}
 inline float load_float(float x) { return x; }
 inline float load_float(half_t x) { return to_float(x); }
 inline float load_float(bfloat16_t x) { return to_float(x); }
