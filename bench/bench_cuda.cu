@@ -14,7 +14,10 @@
 //                                 issue's goal: <= 0.05 at 64K), subset_vs_dense = the
 //                                 page-subset attention over its pages / dense, and
 //                                 pages_visited (fraction); subsets checked against the CPU
-//                                 SketchSelector first
+//                                 SketchSelector first; random keys visit every page (the
+//                                 pre-pass's worst case)
+//   eps_prepass_needles/<dt>/B/S  the same with keys scaled by 0.05 but every 97th page's,
+//                                 which follow the summed queries' signs: the walk stops early
 // Device time comes from CUDA events around each batch of launches (manual time). Inputs
 // are random (never zeros); the attention and compact outputs are checked against the
 // CPU twin once per benchmark before timing. Without a GPU the program prints "skipped:
@@ -420,12 +423,31 @@ void bm_r1kv(benchmark::State& st, std::int32_t budget) {
 // ---------------------------------------------------------------- EPS pre-pass
 
 template <class T>
-void bm_eps_prepass(benchmark::State& st, std::int32_t batch, std::int32_t len) {
+void bm_eps_prepass(benchmark::State& st, std::int32_t batch, std::int32_t len, bool needles) {
   constexpr std::int32_t kHq = 32, kHkv = 8, kDim = 128, kPage = 16;
   std::mt19937_64 rng(777 + batch * 13 + len);
   Pool<T> pool(kHkv, kDim, kPage, batch, len, rng);
   const std::size_t rows = static_cast<std::size_t>(batch) * kHq;
   const auto q = random_vec<T>(rows * kDim, rng, -3.f, 3.f);
+  if (needles) {  // keys scaled by 0.05, except every 97th page of a sequence: its keys follow
+                  // the sign of its kv head's summed queries (the pre-pass can stop early)
+    const std::int32_t per = pool.pages / batch, grp = kHq / kHkv;
+    for (std::int32_t b = 0; b < batch; ++b)
+      for (std::int32_t j = 0; j < per; ++j) {
+        const std::int32_t pid = pool.indices[static_cast<std::size_t>(b) * per + j];
+        for (std::int32_t t = 0; t < kPage; ++t)
+          for (std::int32_t h = 0; h < kHkv; ++h) {
+            T* k = pool.hk.data() + ((static_cast<std::size_t>(pid) * kPage + t) * kHkv + h) * kDim;
+            for (std::int32_t c = 0; c < kDim; ++c) {
+              float qs = 0;
+              for (std::int32_t g = 0; g < grp; ++g) qs += to_float(q[(static_cast<std::size_t>(b) * kHq + h * grp + g) * kDim + c]);
+              const float x = to_float(k[c]);
+              k[c] = from_float<T>(j % 97 == 5 ? (qs > 0 ? 2.f : -2.f) + 0.05f * x : 0.05f * x);
+            }
+          }
+      }
+    (void)cudaMemcpy(pool.dk.p, pool.hk.data(), pool.hk.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
   Dev<T> dq(q), dout(rows * kDim);
   const float scale = 1.f / std::sqrt(static_cast<float>(kDim));
   sketch::SketchParams p;
@@ -520,11 +542,12 @@ void register_dtype() {
   benchmark::RegisterBenchmark(("compact/" + dt + "/r1kv_2048_of_2176/B8").c_str(),
                                [](benchmark::State& st) { bm_compact<T>(st, 8, 2176, 2048); })
       ->UseManualTime()->Unit(benchmark::kMicrosecond);
-  for (const auto& bs : std::vector<std::pair<int, int>>{{1, 65536}, {8, 8192}})  // the EPS issue's 64K, a batch
-    benchmark::RegisterBenchmark(("eps_prepass/" + dt + "/B" + std::to_string(bs.first) + "/S" +
-                                  std::to_string(bs.second)).c_str(),
-                                 [=](benchmark::State& st) { bm_eps_prepass<T>(st, bs.first, bs.second); })
-        ->UseManualTime()->Unit(benchmark::kMicrosecond);
+  for (const bool needles : {false, true})
+    for (const auto& bs : std::vector<std::pair<int, int>>{{1, 65536}, {8, 8192}})  // the EPS issue's 64K, a batch
+      benchmark::RegisterBenchmark((std::string(needles ? "eps_prepass_needles/" : "eps_prepass/") + dt + "/B" +
+                                    std::to_string(bs.first) + "/S" + std::to_string(bs.second)).c_str(),
+                                   [=](benchmark::State& st) { bm_eps_prepass<T>(st, bs.first, bs.second, needles); })
+          ->UseManualTime()->Unit(benchmark::kMicrosecond);
   for (std::int32_t budget : {1024, 4096})  // S = 1152 and 4224, the issue's shapes
     benchmark::RegisterBenchmark(("r1kv_select/" + dt + "/budget" + std::to_string(budget)).c_str(),
                                  [=](benchmark::State& st) { bm_r1kv<T>(st, budget); })

@@ -169,9 +169,40 @@ TEST_CASE("eps twin: the kernel's bitonic sort gives rank_of's order (ties by po
   }
 }
 
+TEST_CASE("eps twin: rank_key orders bounds as rank_before, and a RankCut keeps a prefix of that order", "[eps][twin]") {
+  KVKIT_TEST_RNG(rng);
+  const double specials[] = {0.0, -0.0, HUGE_VAL, -HUGE_VAL, 1e-310, -1e-310, 1.0, -1.0, 0x1p-1074, -0x1p-1074};
+  for (int it = 0; it < 200; ++it) {
+    const std::int32_t n = 1 + static_cast<std::int32_t>(rng() % 200);
+    std::vector<double> ub(static_cast<std::size_t>(n));
+    for (double& x : ub) {
+      const int kind = static_cast<int>(rng() % 4);
+      x = kind == 0 ? specials[rng() % 10]
+                    : kind == 1 ? static_cast<double>(rng() % 5) - 2.0  // many ties
+                                : std::ldexp(static_cast<double>(rng() % 100000) - 50000.0, static_cast<int>(rng() % 80) - 40);
+    }
+    for (std::int32_t i = 0; i < n; ++i)
+      for (std::int32_t j = 0; j < n; ++j) {
+        const std::uint64_t ki = tw::rank_key(ub[i]), kj = tw::rank_key(ub[j]);
+        CAPTURE(ub[i], ub[j], i, j);
+        REQUIRE(tw::rank_before(ub[i], i, ub[j], j) == (ki < kj || (ki == kj && i < j)));
+      }
+    // The cut at every full key and position takes exactly the ranks before it.
+    const std::int32_t k = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n));
+    std::int32_t at = -1;
+    for (std::int32_t i = 0; i < n; ++i)
+      if (tw::rank_of(ub.data(), n, i) == k) at = i;
+    tw::RankCut cut;
+    cut.mask = ~0ull;
+    cut.prefix = tw::rank_key(ub[at]);
+    cut.tie_pos = at;
+    for (std::int32_t i = 0; i < n; ++i) REQUIRE(cut.has(tw::rank_key(ub[i]), i) == (tw::rank_of(ub.data(), n, i) <= k));
+  }
+}
+
 TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twin]") {
   KVKIT_TEST_RNG(rng);
-  std::int64_t early = 0, at_lim = 0, capped = 0;
+  std::int64_t early = 0, at_lim = 0, capped = 0, reach_cut = 0;
   for (int it = 0; it < 3000; ++it) {
     const kvkit::test::WalkCase wc = kvkit::test::make_walk_case(rng, it % 10 == 0 ? 2000 : 150);
     const std::int32_t n = wc.n, levels = wc.levels, lim = wc.lim;
@@ -202,7 +233,9 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
     }
     std::vector<double> m(static_cast<std::size_t>(n), -1.0);
     std::int32_t next = 0;
-    const tw::WalkOut got = tw::walk(tail.data(), n, lim, s0, eps, budget, m.data(), 7, [&](std::int32_t r0, std::int32_t r1) {
+    const std::int32_t lim_c = std::min(std::max(lim, 0), n);
+    const tw::WalkOut got = tw::walk(tail.data(), n, lim, s0, eps, budget, m.data(), 7, n, tail[lim_c],
+                                     [&](std::int32_t r0, std::int32_t r1) {
       REQUIRE(r0 == next);  // increasing, disjoint ranges
       REQUIRE(r1 > r0);
       for (std::int32_t r = r0; r < r1; ++r) m[r] = mass[by_rank[r]];
@@ -211,6 +244,23 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
     CAPTURE(it, n, levels, spread, s0, eps, lim, budget, want.visited, got.visited);
     REQUIRE(got.visited == want.visited);
     REQUIRE(same_bits(got.omitted, want.omitted));
+    {  // the device's way: only the top walk_reach ranks sorted, the tails past them unknown
+      const std::int32_t known = tw::walk_reach(lim_c, budget);
+      std::vector<sk::detail::Mass128> part(tail.begin(), tail.begin() + known + 1);
+      std::vector<double> m2(static_cast<std::size_t>(n), -1.0);
+      std::int32_t next2 = 0;
+      const tw::WalkOut got2 = tw::walk(part.data(), n, lim, s0, eps, budget, m2.data(), 7, known, tail[lim_c],
+                                        [&](std::int32_t r0, std::int32_t r1) {
+        REQUIRE(r0 == next2);
+        REQUIRE(r1 <= known);  // never scores a rank it did not sort
+        for (std::int32_t r = r0; r < r1; ++r) m2[r] = mass[by_rank[r]];
+        next2 = r1;
+      });
+      REQUIRE(got2.visited == got.visited);
+      REQUIRE(same_bits(got2.omitted, got.omitted));
+      REQUIRE((got2.visited <= known || got2.visited == lim_c));  // past the sorted ranks only as the set [0, lim)
+      reach_cut += known < lim_c;
+    }
     REQUIRE((budget == 0 || next <= budget));  // no rank scored past the cap, chunks included
     std::vector<std::int32_t> a(out.begin(), out.begin() + want.visited), b(by_rank.begin(), by_rank.begin() + got.visited);
     std::sort(a.begin(), a.end());
@@ -222,6 +272,7 @@ TEST_CASE("eps twin: the twin walk takes certified_walk's decisions", "[eps][twi
   REQUIRE(early > 100);  // the ε rule stopped early in many cases
   REQUIRE(at_lim > 10);
   REQUIRE(capped > 50);  // ... and the scoring cap often visited more
+  REQUIRE(reach_cut > 100);  // ... and often left ranks unsorted
 }
 
 namespace {

@@ -155,6 +155,77 @@ void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& p
 
 }  // namespace
 
+// First in the file, so the first select of the process runs inside the capture: with more
+// than 2048 pages the sort's pairs need more than the default 48 KiB of shared memory, and
+// select raises the kernel's limit (host attribute calls only, no stream work) there.
+TEST_CASE("eps cuda: select captures into a CUDA graph; replays equal an eager call and the CPU", "[eps][cuda][graph]") {
+  KVKIT_REQUIRE_GPU();
+  KVKIT_TEST_RNG(rng);
+  kvkit::test::EpsCaseOptions o;
+  o.head_dims = {64};
+  o.max_batch = 2;
+  o.page_size = 8;
+  o.seq_len = [](std::mt19937_64& r) { return 17000 + static_cast<std::int32_t>(r() % 8000); };  // > 2048 pages
+  const kvkit::test::EpsCase<kvkit::half_t> c = kvkit::test::make_eps_case<kvkit::half_t>(rng, o);
+  KVKIT_REQUIRE_OK(c.cpu);
+  const sk::SketchSelector& sel = *c.sel;
+  const std::int32_t pages_total = c.pool->geometry.num_pages, hkv = c.hkv, d = c.d;
+  CAPTURE(c.batch, c.hq, c.max_pages, c.p.eps, c.p.top_pages, c.p.score_fraction, c.p.score_budget);
+  REQUIRE(c.max_pages > 2048);
+  DevicePool<kvkit::half_t> dev(*c.pool);
+  DeviceBuffer<float> mn(static_cast<std::size_t>(pages_total) * hkv * d), mx(mn.size()),
+      norm(static_cast<std::size_t>(pages_total) * hkv), amax(norm.size());
+  DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages_total));
+  const sk::twin::BoxSummaries s{mn.get(), mx.get(), norm.get(), amax.get(), count.get(), pages_total, hkv, d};
+  const sk::EpsCudaConfig cfg(c.p);
+  std::vector<std::int32_t> upd, ntok;
+  kvkit::test::summarised_pages(c, &upd, &ntok);
+  DeviceBuffer<std::int32_t> d_upd(upd), d_ntok(ntok);
+  const sk::EpsCudaShape shape{c.batch, hkv, c.max_pages, c.hq};
+  DeviceBuffer<unsigned char> ws(cfg.workspace_size(shape));
+  DeviceBuffer<kvkit::half_t> dq(c.q);
+  const std::size_t nb = static_cast<std::size_t>(c.batch) * hkv;
+  DeviceBuffer<std::int32_t> eager_indptr(nb + 1), graph_indptr(nb + 1), eager_subset(nb * c.max_pages),
+      graph_subset(nb * c.max_pages);
+  DeviceBuffer<double> eager_om(static_cast<std::size_t>(c.batch) * c.hq), graph_om(eager_om.size());
+  // A decode step's EPS work: summaries of the pages written, then the pre-pass.
+  auto step = [&](kvkit::exec::Cuda ex, std::int32_t* indptr, std::int32_t* subset, double* om) -> kvkit::Status {
+    KVKIT_RETURN_IF_ERROR(kvkit::reset_device_status(ex));
+    KVKIT_RETURN_IF_ERROR(cfg.reset_summaries(ex, s));
+    KVKIT_RETURN_IF_ERROR(cfg.update_summaries(ex, dev.view, s, d_upd.get(), d_ntok.get(),
+                                               static_cast<std::int32_t>(upd.size())));
+    return cfg.select(ex, 0, dev.view, dq.get(), c.hq, c.sm_scale, s, shape, indptr, subset, om,
+                      kvkit::Workspace{ws.get(), ws.size()});
+  };
+  kvkit::test::Stream s1, s2;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t instance = nullptr;
+  // Global mode: any synchronising or allocating call inside the step fails the capture.
+  KVKIT_CUDA_REQUIRE(cudaStreamBeginCapture(s2.get(), cudaStreamCaptureModeGlobal));
+  const kvkit::Status captured = step(s2.exec(), graph_indptr.get(), graph_subset.get(), graph_om.get());
+  KVKIT_CUDA_REQUIRE(cudaStreamEndCapture(s2.get(), &graph));
+  KVKIT_REQUIRE_OK(captured);
+  KVKIT_CUDA_REQUIRE(cudaGraphInstantiate(&instance, graph, 0));
+  KVKIT_CUDA_REQUIRE(cudaGraphLaunch(instance, s2.get()));
+  KVKIT_CUDA_REQUIRE(cudaGraphLaunch(instance, s2.get()));  // a replay gives the same subsets
+  const kvkit::Status replayed = s2.status();
+  (void)cudaGraphExecDestroy(instance);
+  (void)cudaGraphDestroy(graph);
+  KVKIT_REQUIRE_OK(replayed);
+  KVKIT_REQUIRE_OK(step(s1.exec(), eager_indptr.get(), eager_subset.get(), eager_om.get()));
+  KVKIT_REQUIRE_OK(s1.status());
+  const std::vector<std::int32_t> gi = graph_indptr.download(), ei = eager_indptr.download();
+  REQUIRE(gi == ei);
+  for (std::size_t i = 0; i < gi.size(); ++i) REQUIRE(ei[i] == sel.indptr()[i]);
+  const std::vector<std::int32_t> gs = graph_subset.download(), es = eager_subset.download();
+  for (std::int32_t i = 0; i < ei.back(); ++i) {
+    REQUIRE(gs[i] == es[i]);
+    REQUIRE(es[i] == sel.subset()[i]);
+  }
+  const std::vector<double> go = graph_om.download(), eo = eager_om.download();
+  for (std::size_t i = 0; i < go.size(); ++i) REQUIRE(std::memcmp(&go[i], &eo[i], sizeof(double)) == 0);
+}
+
 TEST_CASE("eps cuda: summaries, page subsets and omitted bounds equal the CPU Sketcher's", "[eps][cuda]") {
   KVKIT_REQUIRE_GPU();
   KVKIT_TEST_RNG(rng);

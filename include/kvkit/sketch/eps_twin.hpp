@@ -30,6 +30,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kvkit/core/config.hpp"
@@ -295,6 +296,38 @@ KVKIT_HOST_DEVICE bool rank_before(double ka, std::int32_t a, double kb, std::in
   return ka > kb || (ka == kb && a < b);
 }
 
+/// rank_before's order of bounds as one unsigned key: a smaller key ranks first (a larger
+/// bound; -0 and +0 give one key, as == compares them), equal keys exactly where the
+/// bounds are equal, ties then going by position. The device's radix selection of the top
+/// ranks (eps.cuh) cuts on it. Bounds are never NaN (finite summaries and queries).
+KVKIT_HOST_DEVICE std::uint64_t rank_key(double u) {
+  if (u == 0) u = 0.0;
+  std::uint64_t b;
+#ifdef __CUDA_ARCH__
+  b = static_cast<std::uint64_t>(__double_as_longlong(u));
+#else
+  std::memcpy(&b, &u, sizeof b);
+#endif
+  const std::uint64_t asc = (b >> 63) != 0 ? ~b : (b | (1ull << 63));  // increasing with u
+  return ~asc;
+}
+
+/// A cut of the rank order: candidate i with key k = rank_key(bound) is above it iff
+/// (k & mask) < prefix, or (k & mask) == prefix and i <= tie_pos.
+struct RankCut {
+  std::uint64_t mask = 0, prefix = 0;
+  std::int32_t tie_pos = 0x7fffffff;
+  KVKIT_HOST_DEVICE bool has(std::uint64_t k, std::int32_t i) const {
+    const std::uint64_t m = k & mask;
+    return m < prefix || (m == prefix && i <= tie_pos);
+  }
+};
+
+/// The factor walk's relaxed stop tests carry for n candidates (double rounding of S).
+KVKIT_HOST_DEVICE double stop_factor(std::int32_t n) {
+  return dadd(1.0, dmul(dadd(dmul(4.0, static_cast<double>(n)), 64.0), 0x1p-53));
+}
+
 /// rank_before of candidates a, b with their bounds in ub.
 KVKIT_HOST_DEVICE bool rank_less(const double* ub /* [n] */, std::int32_t a, std::int32_t b) {
   return a >= 0 && (b < 0 || rank_before(ub[a], a, ub[b], b));
@@ -370,17 +403,29 @@ struct WalkOut {
   double omitted = 0;
 };
 
+/// Ranks whose order (and tail sums) the walk can need: with a scoring cap below lim it
+/// never scores, stops at or reads the tail of a rank past the cap (over it, it gives up
+/// and visits ranks [0, lim) as a set), so only the top `reach` ranks need sorting.
+KVKIT_HOST_DEVICE std::int32_t walk_reach(std::int32_t lim, std::int32_t budget) {
+  return budget > 0 && budget < lim ? budget : lim;
+}
+
 /// detail::certified_walk over n candidates in rank order: tail[r] =
 /// Σ w over ranks >= r (tail[n] = 0), s0 the always-visited mass relative to ref, budget
 /// the cap on scored ranks (detail::score_limit; 0: none): where a stop would need more,
 /// ranks [0, lim) are visited and the mass seen so far bounds the omitted tail.
+/// tail is read only at ranks [0, known], known >= walk_reach(lim, budget), and tail_lim
+/// is tail[lim] (the omitted bound of a give-up): the device sorts only `known` ranks.
+/// The stop tests are monotone in the rank (exact integer tails, monotone roundings), so
+/// bisecting [0, known] after one test at `known` finds the rank bisecting [0, lim] finds.
 /// score(r0, r1) must make mass[r] (the exact relative mass of rank r) readable for r in
 /// [r0, r1); it is called with increasing, disjoint ranges, from uniform control flow (on
 /// the device every thread of the block runs this function on the same data and score is
 /// a block-wide step). `chunk`: ranks scored at once in the one-by-one phase.
 template <class ScoreFn>
-KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int32_t n, std::int32_t lim, double s0,
-                               double eps, std::int32_t budget, const double* mass /* [n] */, std::int32_t chunk,
+KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [known+1] */, std::int32_t n, std::int32_t lim,
+                               double s0, double eps, std::int32_t budget, const double* mass /* [n] */,
+                               std::int32_t chunk, std::int32_t known, const detail::Mass128& tail_lim,
                                ScoreFn&& score) {
   WalkOut res;
   lim = lim < 0 ? 0 : (lim > n ? n : lim);
@@ -388,13 +433,20 @@ KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int
     res.omitted = omitted_of(tail[0], s0);
     return res;
   }
-  const double f = dadd(1.0, dmul(dadd(dmul(4.0, static_cast<double>(n)), 64.0), 0x1p-53));
+  const double f = stop_factor(n);
+  // The first possible stop in [first, lim] (first_possible), or lim when it lies past
+  // `known` (then past the cap: known < lim only when the cap is below lim).
+  auto next_stop = [&](std::int32_t first, std::int32_t start, double s_base) -> std::int32_t {
+    if (known >= lim) return first_possible(tail, first, lim, start, s_base, eps, f);
+    if (first > known || !stop_possible(known, lim, tail[known], tail[start], s_base, eps, f)) return lim;
+    return first_possible(tail, first, known, start, s_base, eps, f);
+  };
   // Phase 1: the first rank where a stop is possible at all (rank 0 included).
-  std::int32_t a = first_possible(tail, 0, lim, 0, s0, eps, f);
+  std::int32_t a = next_stop(0, 0, s0);
   // Over the budget: ranks [0, lim) visited, unscored beyond those counted in S.
   auto give_up = [&](double S_seen) {
     res.visited = lim;
-    res.omitted = omitted_of(tail[lim], S_seen);
+    res.omitted = omitted_of(tail_lim, S_seen);
     return res;
   };
   if (a == lim || (budget > 0 && a > budget)) return give_up(s0);  // visited unscored, S = s0
@@ -409,7 +461,7 @@ KVKIT_HOST_DEVICE WalkOut walk(const detail::Mass128* tail /* [n+1] */, std::int
     return res;
   }
   // Phase 2: rank cnt failed its exact test; the next possible stop after it.
-  a = first_possible(tail, cnt + 1, lim, cnt, S, eps, f);
+  a = next_stop(cnt + 1, cnt, S);
   if (a == lim && lim == n) {  // everything visited, nothing left to bound
     res.visited = n;
     res.omitted = 0;
@@ -538,7 +590,7 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
         const double s0 = dmul(S, exp_d(dsub(mx, ref)));
         const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
         const WalkOut res = walk(tail.data(), nc, lim, s0, a.eps, detail::score_limit(a.score_budget, a.score_fraction, nc),
-                                 mass.data(), 256, [&](std::int32_t r0, std::int32_t r1) {
+                                 mass.data(), 256, nc, tail[lim], [&](std::int32_t r0, std::int32_t r1) {
           for (std::int32_t r = r0; r < r1; ++r) {
             const std::int32_t j = cand[ord[r]];
             const std::int32_t n = page_tokens(len, P, j);

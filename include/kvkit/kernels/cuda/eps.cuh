@@ -19,40 +19,53 @@
 //   update_summaries: check (pages / ntok in range) then grid (n, Hkv), block 256: threads
 //     over channels (min / max over the page's tokens in token order), over tokens
 //     (round_up ‖k‖), thread 0 the amax norm of the final box.
-//   select: check (page table, pages per sequence <= max_pages), then
+//   select: check (page table, pages per sequence <= max_pages; blocks over sequences and
+//     slices of their pages), then
 //     bounds   grid (batch*Hkv, pages/128), block 256: an aligned group of 8 threads per
 //              page, lane l computing the CPU's float lane l of the box bound for each
 //              query head of the group (8 adjacent floats per step: coalesced), lane 0
 //              combining the lanes in the CPU's order; the one pass over every summary,
 //              so it gets the whole GPU
-//     classify grid batch*Hkv: candidates / always-visited pages (block scans)
+//     classify grid batch*Hkv: candidates / always-visited pages (a contiguous range of
+//              pages per thread, one block scan per list)
 //     prepass  grid batch*Hq, block 256, one block per (b, query head): exact
 //              log-sum-exp of the always-visited tokens (threads compute logits, thread 0
 //              folds them in token order); the candidates' bounds; ref = block max;
-//              quantised masses; the rank order by a bitonic sort of (bound, candidate)
-//              pairs, in shared memory when it fits (up to 227 KiB on an H100: 16K pages);
-//              tail sums by rank (per-thread chunks, thread-0 suffix over chunks); then
-//              every thread runs twin::walk on the same data (uniform control flow) and
-//              the masses it asks for are computed by lane groups (a group per page)
+//              quantised masses and their exact total. The walk can need in order only
+//              the top `known` = min(scoring cap, lim) ranks (twin::walk_reach): when that
+//              is fewer than the candidates, a radix cut on twin::rank_key (bytes all keys
+//              share skipped, a 256-bin histogram per byte, ties by position) finds them
+//              and their mass; if no stop is possible within the cap (twin::stop_possible
+//              at `known`) every page up to lim is picked with nothing sorted (random keys:
+//              every page visited). Otherwise the top `known` are compacted, sorted by a
+//              bitonic network of (bound, candidate) pairs (shared memory when it fits, up
+//              to 227 KiB on an H100: 16K pages), tail sums by rank above tail[known];
+//              then every thread runs twin::walk on the same data (uniform control flow)
+//              and the masses it asks for are computed by lane groups (a group per page)
 //              behind a barrier; a pick flag per candidate
-//     union    grid batch*Hkv: visit = always visited or picked by any query head of the
-//              group (the GQA union), and the count
+//     union    grid (batch*Hkv, pages/256): visit = always visited or picked by any query
+//              head of the group (the GQA union), counts added atomically
 //     emit     grid batch*Hkv, block 256: offset = Σ counts before the block, indptr,
-//              ascending page indices by a block scan of the visit flags.
-// Measured on an H100 (bench_cuda eps_prepass, 64K tokens, one sequence, 32 / 8 heads of
-// 128): 254 us, 0.96x a dense decode step, where one block per (b, kv head) with a thread
-// per page took 3.4 ms (bench/RESULTS.md).
+//              ascending page indices (a contiguous range per thread, one block scan).
+//   Block scans and reductions are warp butterflies (__shfl_xor_sync) plus one exchange
+//   through shared memory: two barriers each.
+// Measured on an H100 (bench_cuda, llama8b shape, f16, bench/RESULTS.md): one sequence of
+// 64K with random keys (every page visited) 110 us, 0.42x a dense decode step (the first
+// version took 3.4 ms); with needles, where the walk stops after 1 % of the pages, 218 us
+// (0.83x): the sorted path's walk, scoring and barriers, one block per query head.
 // The per-item arithmetic is sketch/eps_twin.hpp's (shared with the host test), following
 // the CPU's order with non-contracted IEEE operations, so summaries are equal bit for bit
 // and the subsets equal the CPU's except where a stop test sits within ~1 ulp of CUDA's
 // exp vs glibc's (see eps_twin.hpp). Nothing is allocated or synchronised on the run path
-// (workspace via workspace_size), so a decode step can be captured in a CUDA graph.
+// (workspace via workspace_size), so a decode step can be captured in a CUDA graph
+// (tests/cuda/test_eps_cuda's [graph] case; written after the last GPU session's device
+// time ran out, it has not run on a GPU yet).
 //
 // Limits: the always-visited tokens' exps are folded serially by one thread (cheap for
 // last_n pages, slow when many pages have no summary); every thread of a block runs the
 // walk's serial mass sum (O(pages visited) per query head); one block per (b, query head)
-// whatever the sequence length (the sort and walk of 4096 candidates are most of the
-// 64K figure above); the update list must hold distinct page ids. Checked by
+// whatever the sequence length (the cut, sort and walk are most of the 64K figures above,
+// the bounds kernel 49 us of them); the update list must hold distinct page ids. Checked by
 // tests/cuda/test_eps_cuda on a GPU (H100: bits equal to the CPU Sketcher's, memcheck and
 // racecheck clean), and without one by tests/test_eps_twin.cpp (the per-item functions and
 // the host schedule against SketchSelector) and scripts/cuda_emulation/run.sh eps (these
@@ -78,21 +91,50 @@ inline constexpr int kEpsThreads = 256;
 /// allocation (d = 13, H100).
 KVKIT_HOST_DEVICE std::int32_t eps_row_floats(std::int32_t d) { return (d + 3) / 4 * 4; }
 
-/// Exclusive prefix sum of v over the block; *total gets the sum (every thread calls it).
-KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsThreads] shared */, int* total) {
+inline constexpr int kEpsWarps = kEpsThreads / 32;
+
+/// Op-combination of v over the block (op associative and commutative, exact: min, max,
+/// integer sums), returned to every thread: butterflies in each warp, then the warps'
+/// values through sh. Every thread calls it (two barriers).
+template <class V, class Op>
+KVKIT_DEVICE V eps_block_reduce(V v, V* sh /* [kEpsWarps] shared */, Op op) {
   const int t = static_cast<int>(threadIdx.x);
-  sh[t] = v;
+#pragma unroll
+  for (int k = 16; k > 0; k >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, k));
+  if ((t & 31) == 0) sh[t >> 5] = v;
   __syncthreads();
-  for (int off = 1; off < kEpsThreads; off *= 2) {
-    const int x = t >= off ? sh[t - off] : 0;
-    __syncthreads();
-    sh[t] += x;
-    __syncthreads();
+  V r = sh[0];
+#pragma unroll
+  for (int w = 1; w < kEpsWarps; ++w) r = op(r, sh[w]);
+  __syncthreads();  // sh is reused by the next call
+  return r;
+}
+
+/// Exclusive prefix sum of v over the block; *total gets the sum (every thread calls it).
+/// A butterfly scan in each warp (lane l adds the other half's total where bit k of l is
+/// set), then the warp totals through sh: two barriers, where a Kogge-Stone scan over the
+/// block took sixteen and made the pre-pass's list kernels barrier-bound.
+KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsWarps] shared */, int* total) {
+  const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+  int pre = v, sum = v;  // inclusive prefix in the lane's group, the group's total
+#pragma unroll
+  for (int k = 1; k < 32; k <<= 1) {
+    const int o = __shfl_xor_sync(0xffffffffu, sum, k);
+    if (lane & k) pre += o;
+    sum += o;
   }
-  const int incl = sh[t];
-  *total = sh[kEpsThreads - 1];
+  if (lane == 0) sh[warp] = sum;
   __syncthreads();
-  return incl - v;
+  int off = 0, tot = 0;
+#pragma unroll
+  for (int w = 0; w < kEpsWarps; ++w) {
+    const int x = sh[w];
+    off += w < warp ? x : 0;
+    tot += x;
+  }
+  *total = tot;
+  __syncthreads();
+  return off + pre - v;
 }
 
 /// Lanes per page in the pre-pass's bound and mass loops: lane l of an aligned group of 8
@@ -146,6 +188,113 @@ KVKIT_DEVICE void eps_block_sort(double* key /* [n2] */, std::int32_t* ord /* [n
         sketch::twin::bitonic_pair_step(key, ord, k, j, p);
       __syncthreads();
     }
+}
+
+/// Σ of v over the block, exact (128-bit integers: any order), returned to every thread.
+KVKIT_DEVICE sketch::detail::Mass128 eps_block_mass_sum(sketch::detail::Mass128 v,
+                                                        unsigned long long* hi /* [kEpsWarps] shared */,
+                                                        unsigned long long* lo /* [kEpsWarps] shared */) {
+  using sketch::detail::Mass128;
+  const int t = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int k = 16; k > 0; k >>= 1) {
+    Mass128 o;
+    o.hi = __shfl_xor_sync(0xffffffffu, static_cast<unsigned long long>(v.hi), k);
+    o.lo = __shfl_xor_sync(0xffffffffu, static_cast<unsigned long long>(v.lo), k);
+    v.add(o);
+  }
+  if ((t & 31) == 0) {
+    hi[t >> 5] = v.hi;
+    lo[t >> 5] = v.lo;
+  }
+  __syncthreads();
+  Mass128 r;
+  for (int w = 0; w < kEpsWarps; ++w) {
+    Mass128 x;
+    x.hi = hi[w];
+    x.lo = lo[w];
+    r.add(x);
+  }
+  __syncthreads();
+  return r;
+}
+
+/// The cut above exactly k of the n candidates in rank order (0 < k < n), by a radix
+/// selection on twin::rank_key: bytes the keys all share are skipped (their minimum and
+/// maximum), then a 256-bin histogram per byte keeps the bin holding the k-th key, until
+/// the cut falls on a bin's end or a full key's ties, resolved by position. A few passes
+/// over n keys instead of sorting n: the walk orders only the ranks it can reach.
+KVKIT_DEVICE sketch::twin::RankCut eps_block_cut(const double* ub /* [n] */, std::int32_t n, std::int32_t k,
+                                                 int* hist /* [kEpsThreads] shared */,
+                                                 int* scan /* [kEpsWarps] shared */,
+                                                 unsigned long long* red /* [kEpsWarps] shared */,
+                                                 int* shv /* [3] shared */) {
+  namespace tw = sketch::twin;
+  static_assert(kEpsThreads == 256, "a thread per histogram bin");
+  const int tid = static_cast<int>(threadIdx.x);
+  unsigned long long kmin = ~0ull, kmax = 0;
+  for (std::int32_t i = tid; i < n; i += kEpsThreads) {
+    const unsigned long long key = tw::rank_key(ub[i]);
+    kmin = key < kmin ? key : kmin;
+    kmax = key > kmax ? key : kmax;
+  }
+  kmin = eps_block_reduce(kmin, red, [](unsigned long long x, unsigned long long y) { return y < x ? y : x; });
+  kmax = eps_block_reduce(kmax, red, [](unsigned long long x, unsigned long long y) { return y > x ? y : x; });
+  tw::RankCut c;
+  int shift = 56;
+  while (shift >= 0 && ((kmin ^ kmax) >> shift) == 0) shift -= 8;  // bytes every key shares
+  c.mask = shift < 0 ? ~0ull : (shift >= 56 ? 0ull : ~0ull << (shift + 8));
+  c.prefix = kmin & c.mask;
+  std::int32_t need = k;  // keys still to take among those under prefix
+  for (; shift >= 0; shift -= 8) {
+    hist[tid] = 0;
+    __syncthreads();
+    // Counts are flushed when a thread's bin changes: keys crowd into few bins (most
+    // bounds alike), and one shared atomic per key on one address serialises the block.
+    int run_bin = -1, run = 0;
+    for (std::int32_t i = tid; i < n; i += kEpsThreads) {
+      const unsigned long long key = tw::rank_key(ub[i]);
+      if ((key & c.mask) != c.prefix) continue;
+      const int bin = static_cast<int>((key >> shift) & 255u);
+      if (bin != run_bin) {
+        if (run > 0) atomicAdd(&hist[run_bin], run);
+        run_bin = bin;
+        run = 0;
+      }
+      ++run;
+    }
+    if (run > 0) atomicAdd(&hist[run_bin], run);
+    __syncthreads();
+    const int cnt = hist[tid];
+    int tot = 0;
+    const int ex = eps_block_scan(cnt, scan, &tot);
+    if (ex < need && need <= ex + cnt) {
+      shv[0] = tid;
+      shv[1] = ex;
+      shv[2] = cnt;
+    }
+    __syncthreads();
+    const int bin = shv[0], in_bin = shv[2];
+    need -= shv[1];
+    __syncthreads();
+    c.prefix |= static_cast<unsigned long long>(bin) << shift;
+    c.mask |= 255ull << shift;
+    if (need == in_bin) return c;  // the cut is the bin's end: no position tie-break
+  }
+  // Equal full keys (equal bounds) across the cut: the first `need` of them by position.
+  std::int32_t seen = 0;
+  for (std::int32_t i0 = 0; i0 < n; i0 += kEpsThreads) {
+    const std::int32_t i = i0 + tid;
+    const int f = i < n && tw::rank_key(ub[i]) == c.prefix ? 1 : 0;
+    int tot = 0;
+    const int p = eps_block_scan(f, scan, &tot);
+    if (f && seen + p + 1 == need) shv[0] = i;
+    seen += tot;
+  }
+  __syncthreads();
+  c.tie_pos = shv[0];
+  __syncthreads();
+  return c;
 }
 
 /// Scratch of the pre-pass: nb = batch x Hkv (sequence, kv head) rows and nq = nb x group
@@ -239,14 +388,17 @@ __global__ void eps_reset_kernel(sketch::twin::BoxSummaries s, const DeviceStatu
   }
 }
 
-/// The page table of every sequence, and pages per sequence <= max_pages.
+/// The page table of every sequence, and pages per sequence <= max_pages; blocks
+/// (sequences, slices of a sequence's pages).
 template <class T>
 __global__ void eps_check_prepass_kernel(PagedKVView<T> view, std::int32_t max_pages, DeviceStatus* st) {
   if (failed(st)) return;
+  const bool lead = blockIdx.y == 0 && threadIdx.x == 0;
   for (std::int64_t b = blockIdx.x; b < view.batch_size; b += gridDim.x) {
-    const std::int32_t n = check_sequence_pages_dev(view, static_cast<std::int32_t>(b), st, threadIdx.x == 0,
-                                                    threadIdx.x, blockDim.x);
-    if (threadIdx.x == 0 && n > max_pages)
+    const std::int32_t n = check_sequence_pages_dev(view, static_cast<std::int32_t>(b), st, lead,
+                                                    static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x,
+                                                    static_cast<std::int64_t>(gridDim.y) * blockDim.x);
+    if (lead && n > max_pages)
       report(st, StatusCode::kInvalidArgument, DeviceCheck::kRowTooShort, n, -1, b, max_pages);
   }
 }
@@ -338,28 +490,30 @@ __global__ void __launch_bounds__(kEpsThreads)
   const std::int32_t P = view.page_size, np = view.num_pages(b), len = view.seq_len(b);
   const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
   const bool on = tw::head_is_on(a.head_mask, h);
-  std::int32_t nc = 0, na = 0;
-  for (std::int32_t j0 = 0; j0 < np; j0 += kEpsThreads) {
-    const std::int32_t j = j0 + tid;
-    int is_a = 0;
-    if (j < np) {
-      const std::int32_t ntok = tw::page_tokens(len, P, j);
-      is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), ntok) ? 1 : 0;
-      ws.visit[base + j] = static_cast<std::uint8_t>(is_a);
-    }
-    const int is_c = j < np ? 1 - is_a : 0;
-    int tot = 0;
-    const int pc = eps_block_scan(is_c, scan, &tot);
-    if (is_c) ws.cand[base + nc + pc] = j;
-    nc += tot;
-    const int pa = eps_block_scan(is_a, scan, &tot);
-    if (is_a) ws.alw[base + na + pa] = j;
-    na += tot;
+  // Thread t classifies pages [t·per, (t+1)·per): one scan per list, where a scan per 256
+  // pages made the kernel barrier-bound (33 us for 4096 pages on an H100).
+  const std::int32_t per = (np + kEpsThreads - 1) / kEpsThreads;
+  const std::int32_t j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
+  int my_a = 0;
+  for (std::int32_t j = j0; j < j1; ++j) {
+    const int is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), tw::page_tokens(len, P, j)) ? 1 : 0;
+    ws.visit[base + j] = static_cast<std::uint8_t>(is_a);
+    my_a += is_a;
+  }
+  int nc = 0, na = 0;
+  std::int32_t pc = eps_block_scan(j1 - j0 - my_a, scan, &nc);
+  std::int32_t pa = eps_block_scan(my_a, scan, &na);
+  for (std::int32_t j = j0; j < j1; ++j) {  // this thread's own flags: no barrier needed
+    if (ws.visit[base + j])
+      ws.alw[base + pa++] = j;
+    else
+      ws.cand[base + pc++] = j;
   }
   if (tid == 0) {
     ws.np[bh] = np;
     ws.nc[bh] = nc;
     ws.na[bh] = na;
+    ws.count[bh] = 0;  // eps_union_kernel's blocks add to it
   }
 }
 
@@ -384,6 +538,7 @@ __global__ void __launch_bounds__(kEpsThreads)
   __shared__ double red[kEpsThreads];
   __shared__ unsigned long long red_hi[kEpsThreads], red_lo[kEpsThreads];
   __shared__ double sh_mx, sh_s;
+  __shared__ int hist[kEpsThreads], shv[3];
   if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t hkv = view.num_kv_heads, grp = hq / hkv;
@@ -447,40 +602,95 @@ __global__ void __launch_bounds__(kEpsThreads)
     ub[i] = ubq[cand[i]];
     lm = lm < ub[i] ? ub[i] : lm;
   }
-  red[tid] = lm;
-  __syncthreads();
-  for (int k = kEpsThreads / 2; k > 0; k /= 2) {
-    if (tid < k && red[tid] < red[tid + k]) red[tid] = red[tid + k];
-    __syncthreads();
-  }
-  const double ref = mx < red[0] ? red[0] : mx;
-  __syncthreads();
+  lm = eps_block_reduce(lm, red, [](double x, double y) { return x < y ? y : x; });
+  const double ref = mx < lm ? lm : mx;
   if (!(S > 0) || !isfinite(mx)) {  // nothing always visited: visit everything
     for (std::int32_t i = tid; i < nc; i += kEpsThreads) pick[cand[i]] = 1;
     if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = 0;
     return;
   }
-  // Quantised masses; the rank order by a bitonic sort of the candidates (padded to a
-  // power of two with -1, which sorts last).
-  const std::int32_t n2 = tw::pow2_at_least(nc);
-  for (std::int32_t i = tid; i < n2; i += kEpsThreads) {
-    if (i < nc) w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
-    else ub[i] = -HUGE_VAL;  // padding: never compared (ord -1 sorts last)
-    ord[i] = i < nc ? i : -1;
+  // Quantised masses and their total (exact integers: any order).
+  const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
+  const std::int32_t budget = sketch::detail::score_limit(a.score_budget, a.score_fraction, nc);
+  const std::int32_t known = tw::walk_reach(lim, budget);  // the ranks the walk can need in order
+  Mass128 loc;
+  for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
+    w[i] = sketch::detail::quantise_mass(tw::dsub(ub[i], ref));
+    loc.add(w[i]);
+  }
+  const Mass128 total = eps_block_mass_sum(loc, red_hi, red_lo);
+  const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
+  // The top `known` candidates (ord[i] = i, else -1) and tail[known]; a radix cut, not a
+  // sort, when the scoring cap leaves ranks the walk never orders.
+  Mass128 tail_k, tail_l;  // tail sums at ranks known and lim
+  if (known < nc) {
+    const tw::RankCut cut = eps_block_cut(ub, nc, known, hist, scan, red_hi, shv);
+    loc = Mass128{};
+    for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
+      const bool in = cut.has(tw::rank_key(ub[i]), i);
+      ord[i] = in ? i : -1;
+      if (in) loc.add(w[i]);
+    }
+    tail_k = total;
+    tail_k.sub(eps_block_mass_sum(loc, red_hi, red_lo));
+  } else {
+    for (std::int32_t i = tid; i < nc; i += kEpsThreads) ord[i] = i;
+  }
+  if (lim == known) {
+    tail_l = tail_k;
+  } else if (lim < nc) {  // known < lim < nc: a give-up visits the top lim as a set
+    const tw::RankCut cut = eps_block_cut(ub, nc, lim, hist, scan, red_hi, shv);
+    loc = Mass128{};
+    for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
+      const bool in = cut.has(tw::rank_key(ub[i]), i);
+      pick[cand[i]] = in ? 1 : 0;
+      if (in) loc.add(w[i]);
+    }
+    tail_l = total;
+    tail_l.sub(eps_block_mass_sum(loc, red_hi, red_lo));
+  }
+  // Capped below lim and no stop possible within the cap: walk's phase-1 give-up, decided
+  // before anything is sorted (the case of every page visited).
+  if (known < lim && !tw::stop_possible(known, lim, tail_k, total, s0, a.eps, tw::stop_factor(nc))) {
+    if (lim == nc)
+      for (std::int32_t i = tid; i < nc; i += kEpsThreads) pick[cand[i]] = 1;
+    if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = tw::omitted_of(tail_l, s0);
+    return;
+  }
+  // The top `known` moved to the front in position order (a chunk is read before the scan's
+  // barriers, written after; writes land below the next chunk), padded to a power of two
+  // with -1 (sorts last), then sorted by a bitonic network.
+  std::int32_t out = 0;
+  for (std::int32_t i0 = 0; i0 < nc; i0 += kEpsThreads) {
+    const std::int32_t i = i0 + tid;
+    const std::int32_t o = i < nc ? ord[i] : -1;
+    const double key = i < nc ? ub[i] : 0.0;
+    int tot = 0;
+    const int p = eps_block_scan(o >= 0 ? 1 : 0, scan, &tot);
+    if (o >= 0) {
+      ub[out + p] = key;
+      ord[out + p] = o;
+    }
+    out += tot;
+  }
+  const std::int32_t n2 = tw::pow2_at_least(known);
+  for (std::int32_t r = known + tid; r < n2; r += kEpsThreads) {
+    ub[r] = -HUGE_VAL;  // padding: never compared (ord -1 sorts last)
+    ord[r] = -1;
   }
   __syncthreads();
   eps_block_sort(ub, ord, n2);  // ub is permuted with ord: no longer by candidate
-  // Tail sums by rank: thread t sums ranks [t·per, (t+1)·per), thread 0 turns the chunk
-  // sums into suffixes, then each thread fills its chunk (exact integers: any order).
-  const std::int32_t per = (nc + kEpsThreads - 1) / kEpsThreads;
-  const std::int32_t r0 = tid * per < nc ? tid * per : nc, r1 = r0 + per < nc ? r0 + per : nc;
-  Mass128 loc;
+  // Tail sums of ranks [0, known]: thread t sums ranks [t·per, (t+1)·per), thread 0 turns
+  // the chunk sums into suffixes above tail[known], then each thread fills its chunk.
+  const std::int32_t per = (known + kEpsThreads - 1) / kEpsThreads;
+  const std::int32_t r0 = tid * per < known ? tid * per : known, r1 = r0 + per < known ? r0 + per : known;
+  loc = Mass128{};
   for (std::int32_t r = r0; r < r1; ++r) loc.add(w[ord[r]]);
   red_hi[tid] = loc.hi;
   red_lo[tid] = loc.lo;
   __syncthreads();
   if (tid == 0) {
-    Mass128 acc;
+    Mass128 acc = tail_k;
     for (int t = kEpsThreads - 1; t >= 0; --t) {
       Mass128 x;
       x.hi = red_hi[t];
@@ -489,7 +699,7 @@ __global__ void __launch_bounds__(kEpsThreads)
       red_lo[t] = acc.lo;
       acc.add(x);
     }
-    tail[nc] = Mass128{};
+    tail[known] = tail_k;
   }
   __syncthreads();
   Mass128 tt;
@@ -500,12 +710,9 @@ __global__ void __launch_bounds__(kEpsThreads)
     tail[r] = tt;
   }
   __syncthreads();
-  const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
-  const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
   const int lane = tid % kEpsLanes;
-  const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps,
-                                     sketch::detail::score_limit(a.score_budget, a.score_fraction, nc), mass,
-                                     kEpsGroups, [&](std::int32_t from, std::int32_t to) {
+  const tw::WalkOut res = tw::walk(tail, nc, lim, s0, a.eps, budget, mass, kEpsGroups, known, tail_l,
+                                     [&](std::int32_t from, std::int32_t to) {
     for (std::int32_t r = from + tid / kEpsLanes; r < to; r += kEpsGroups) {
       const std::int32_t j = cand[ord[r]];
       const double m = eps_group_page_mass(qf, view.k_ptr(b, j * P, h), view.k_stride_token, tw::page_tokens(len, P, j), d,
@@ -514,12 +721,23 @@ __global__ void __launch_bounds__(kEpsThreads)
     }
     __syncthreads();
   });
-  for (std::int32_t r = tid; r < nc; r += kEpsThreads) pick[cand[ord[r]]] = r < res.visited ? 1 : 0;
+  // Picks: ranks [0, visited), all sorted; or, for a give-up past the sorted ranks, the top
+  // lim as a set (every candidate, or the lim cut's flags already in pick).
+  if (res.visited > known) {
+    if (lim == nc)
+      for (std::int32_t i = tid; i < nc; i += kEpsThreads) pick[cand[i]] = 1;
+  } else {
+    for (std::int32_t i = tid; i < nc; i += kEpsThreads) pick[cand[i]] = 0;
+    __syncthreads();
+    for (std::int32_t r = tid; r < res.visited; r += kEpsThreads) pick[cand[ord[r]]] = 1;
+  }
   if (tid == 0) omitted[static_cast<std::int64_t>(b) * hq + qh] = res.omitted;
 }
 
-/// One block per (sequence b, kv head h): the pages h reads (always visited, or picked by
-/// any of its query heads: GQA's union) and their count.
+/// Block (b·Hkv + h, c): pages [256c, 256c + 256) of (sequence b, kv head h), a thread per
+/// page: read when always visited or picked by any of h's query heads (GQA's union); the
+/// block's count is added to count[b·Hkv + h]. Spread over pages: a block per (b, h)
+/// walking 4096 pages was bound by the latency of its dependent pick loads.
 template <class Unused = void>
 __global__ void __launch_bounds__(kEpsThreads)
     eps_union_kernel(std::int32_t grp, std::int32_t max_pages, EpsScratch ws, const DeviceStatus* st) {
@@ -527,18 +745,19 @@ __global__ void __launch_bounds__(kEpsThreads)
   if (block_failed(st)) return;
   const int tid = static_cast<int>(threadIdx.x);
   const std::int32_t bh = blockIdx.x, np = ws.np[bh];
+  const std::int32_t j = static_cast<std::int32_t>(blockIdx.y) * kEpsThreads + tid;
+  if (static_cast<std::int32_t>(blockIdx.y) * kEpsThreads >= np) return;  // block-uniform
   const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
-  int c = 0;
-  for (std::int32_t j = tid; j < np; j += kEpsThreads) {
-    std::uint8_t v = ws.visit[base + j];
-    for (std::int32_t gq = 0; !v && gq < grp; ++gq)  // a candidate: every query head wrote its pick
-      v = ws.pick[(static_cast<std::size_t>(bh) * grp + gq) * max_pages + j];
-    ws.visit[base + j] = v;
-    c += v;
+  int v = 0;
+  if (j < np) {
+    v = ws.visit[base + j];
+    for (std::int32_t gq = 0; gq < grp; ++gq)  // a candidate: every query head wrote its pick
+      v |= v ? 0 : ws.pick[(static_cast<std::size_t>(bh) * grp + gq) * max_pages + j];
+    ws.visit[base + j] = static_cast<std::uint8_t>(v);
   }
   int tot = 0;
-  (void)eps_block_scan(c, scan, &tot);
-  if (tid == 0) ws.count[bh] = tot;
+  (void)eps_block_scan(v, scan, &tot);
+  if (tid == 0 && tot > 0) atomicAdd(&ws.count[bh], tot);
 }
 
 /// indptr / subset of block (b, kv head) from the visit flags.
@@ -562,14 +781,16 @@ __global__ void __launch_bounds__(kEpsThreads)
   }
   const std::uint8_t* visit = ws.visit + static_cast<std::size_t>(bh) * max_pages;
   const std::int32_t np = ws.np[bh];
-  for (std::int32_t j0 = 0; j0 < np; j0 += kEpsThreads) {
-    const std::int32_t j = j0 + tid;
-    const int f = j < np ? visit[j] : 0;
-    int tot = 0;
-    const int p = eps_block_scan(f, scan, &tot);
-    if (f) subset[off + p] = j;
-    off += tot;
-  }
+  // Thread t emits pages [t·per, (t+1)·per): one scan (a scan per 256 pages was
+  // barrier-bound).
+  const std::int32_t per = (np + kEpsThreads - 1) / kEpsThreads;
+  const std::int32_t j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
+  int mine = 0;
+  for (std::int32_t j = j0; j < j1; ++j) mine += visit[j];
+  int tot = 0;
+  std::int32_t o = off + eps_block_scan(mine, scan, &tot);
+  for (std::int32_t j = j0; j < j1; ++j)
+    if (visit[j]) subset[o++] = j;
 }
 
 }  // namespace cuda_detail
@@ -719,7 +940,9 @@ class EpsCudaConfig {
     const std::int64_t qblocks = blocks * (num_qo_heads / hkv);
     KVKIT_CHECK_STATUS(qblocks <= 2147483647LL, StatusCode::kInvalidArgument, kOp, ": batch x query heads ", qblocks,
                        " exceeds the CUDA grid limit");
-    cd::eps_check_prepass_kernel<T><<<static_cast<unsigned>(view.batch_size < 1024 ? view.batch_size : 1024),
+    const std::int64_t slices = (shape.max_pages + cd::kEpsThreads - 1) / cd::kEpsThreads;
+    cd::eps_check_prepass_kernel<T><<<dim3(static_cast<unsigned>(view.batch_size < 1024 ? view.batch_size : 1024),
+                                           static_cast<unsigned>(slices < 64 ? slices : 64)),
                                       cd::kEpsThreads, 0, stream>>>(view, shape.max_pages, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     twin::PrepassArgs a;
@@ -755,8 +978,9 @@ class EpsCudaConfig {
     cd::eps_prepass_kernel<T><<<static_cast<unsigned>(qblocks), cd::kEpsThreads, smem, stream>>>(
         view, q, num_qo_heads, a, shape.max_pages, sc, smem_sort, omitted, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
-    cd::eps_union_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(grp, shape.max_pages, sc,
-                                                                                         ex.status);
+    const std::int64_t page_blocks = (shape.max_pages + cd::kEpsThreads - 1) / cd::kEpsThreads;
+    cd::eps_union_kernel<><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(page_blocks)), cd::kEpsThreads,
+                             0, stream>>>(grp, shape.max_pages, sc, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     cd::eps_emit_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(shape.max_pages, sc, indptr,
                                                                                         subset, ex.status);

@@ -3,6 +3,7 @@
 // (see run.sh): one std::thread per CUDA thread, a std::barrier per block for
 // __syncthreads, __shared__ variables as function statics (blocks run one after another),
 // __shfl_xor_sync through a barrier per lane group.
+#include <atomic>
 #include <barrier>
 #include <bit>
 #include <map>
@@ -34,12 +35,14 @@ using std::isfinite;
 // again before the slots are reused.
 struct ShflGroup {
   std::barrier<> bar;
-  float v[32] = {};
+  std::uint64_t v[32] = {};  // each lane's value's bytes
   explicit ShflGroup(int n) : bar(n) {}
 };
 inline std::mutex g_shfl_mu;
 inline std::map<std::pair<unsigned, unsigned>, std::unique_ptr<ShflGroup>>* g_shfl = nullptr;
-inline float __shfl_xor_sync(unsigned mask, float v, int off) {
+template <class V>
+V __shfl_xor_sync(unsigned mask, V v, int off) {
+  static_assert(sizeof(V) <= sizeof(std::uint64_t), "a lane's value fits a slot");
   const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   ShflGroup* g;
   {
@@ -48,12 +51,18 @@ inline float __shfl_xor_sync(unsigned mask, float v, int off) {
     if (!slot) slot = std::make_unique<ShflGroup>(std::popcount(mask));
     g = slot.get();
   }
-  g->v[lane] = v;
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(V));
+  g->v[lane] = bits;
   g->bar.arrive_and_wait();
-  const float o = g->v[lane ^ static_cast<unsigned>(off)];
+  bits = g->v[lane ^ static_cast<unsigned>(off)];
   g->bar.arrive_and_wait();
+  V o;
+  std::memcpy(&o, &bits, sizeof(V));
   return o;
 }
+// Shared-memory atomics of the radix cut (eps.cuh).
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 #define __global__
 #define __device__
 #define __shared__ static
