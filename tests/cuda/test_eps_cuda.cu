@@ -51,6 +51,17 @@ struct DevicePool {
   kvkit::PagedKVView<T> view;
 };
 
+/// Device box summaries of a case's pool ([pages, Hkv, d] boxes, [pages, Hkv] norms, [pages]
+/// counts), none valid until update_summaries.
+struct DeviceSummaries {
+  DeviceSummaries(std::int32_t pages, std::int32_t hkv, std::int32_t d)
+      : mn(static_cast<std::size_t>(pages) * hkv * d), mx(mn.size()), norm(static_cast<std::size_t>(pages) * hkv),
+        amax(norm.size()), count(static_cast<std::size_t>(pages)),
+        s{mn.get(), mx.get(), norm.get(), amax.get(), count.get(), pages, hkv, d} {}
+  DeviceBuffer<float> mn, mx, norm, amax;
+  DeviceBuffer<std::int32_t> count;
+  sk::twin::BoxSummaries s;
+};
 
 template <class T>
 void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& pruned) {
@@ -73,10 +84,8 @@ void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& p
 
   // Device summaries of the pages the CPU store summarised (the others stay invalid).
   DevicePool<T> dev(pool);
-  DeviceBuffer<float> mn(static_cast<std::size_t>(pages_total) * hkv * d), mx(mn.size()),
-      norm(static_cast<std::size_t>(pages_total) * hkv), amax(norm.size());
-  DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages_total));
-  const sk::twin::BoxSummaries s{mn.get(), mx.get(), norm.get(), amax.get(), count.get(), pages_total, hkv, d};
+  const DeviceSummaries sums(pages_total, hkv, d);
+  const sk::twin::BoxSummaries& s = sums.s;
   sk::EpsCudaConfig cfg(p);
   const bool smem_sort = rng() % 2 != 0;  // both places of the sort: shared memory, workspace
   cfg.set_smem_sort(smem_sort);
@@ -88,7 +97,8 @@ void run_case(std::mt19937_64& rng, kvkit::test::Stream& stream, std::int64_t& p
   KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, d_upd.get(), d_ntok.get(),
                                         static_cast<std::int32_t>(upd.size())));
   KVKIT_REQUIRE_OK(stream.status());
-  const std::vector<float> hmn = mn.download(), hmx = mx.download(), hnorm = norm.download(), hamax = amax.download();
+  const std::vector<float> hmn = sums.mn.download(), hmx = sums.mx.download(), hnorm = sums.norm.download(),
+                           hamax = sums.amax.download();
   for (std::int32_t pid : upd) {
     const std::int32_t r = store.record_of(0, pid);
     for (std::int32_t h = 0; h < hkv; ++h) {
@@ -173,10 +183,8 @@ TEST_CASE("eps cuda: select captures into a CUDA graph; replays equal an eager c
   CAPTURE(c.batch, c.hq, c.max_pages, c.p.eps, c.p.top_pages, c.p.score_fraction, c.p.score_budget);
   REQUIRE(c.max_pages > 2048);
   DevicePool<kvkit::half_t> dev(*c.pool);
-  DeviceBuffer<float> mn(static_cast<std::size_t>(pages_total) * hkv * d), mx(mn.size()),
-      norm(static_cast<std::size_t>(pages_total) * hkv), amax(norm.size());
-  DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages_total));
-  const sk::twin::BoxSummaries s{mn.get(), mx.get(), norm.get(), amax.get(), count.get(), pages_total, hkv, d};
+  const DeviceSummaries sums(pages_total, hkv, d);
+  const sk::twin::BoxSummaries& s = sums.s;
   const sk::EpsCudaConfig cfg(c.p);
   std::vector<std::int32_t> upd, ntok;
   kvkit::test::summarised_pages(c, &upd, &ntok);
@@ -268,17 +276,15 @@ TEST_CASE("eps cuda: unsupported settings throw naming the value; bad inputs giv
   kvkit::test::RandomPool<float> pool(spec, rng);
   DevicePool<float> dev(pool);
   const std::int32_t pages = pool.geometry.num_pages, hkv = spec.num_kv_heads, d = spec.head_dim;
-  DeviceBuffer<float> mn(static_cast<std::size_t>(pages) * hkv * d), mx(mn.size()), nrm(static_cast<std::size_t>(pages) * hkv),
-      am(nrm.size());
-  DeviceBuffer<std::int32_t> count(static_cast<std::size_t>(pages));
-  const sk::twin::BoxSummaries s{mn.get(), mx.get(), nrm.get(), am.get(), count.get(), pages, hkv, d};
+  const DeviceSummaries sums(pages, hkv, d);
+  const sk::twin::BoxSummaries& s = sums.s;
   KVKIT_REQUIRE_OK(cfg.reset_summaries(stream.exec(), s));
   KVKIT_REQUIRE_OK(stream.status());
   DeviceBuffer<std::int32_t> bad(std::vector<std::int32_t>{0, pages}), nt(std::vector<std::int32_t>{4, 4});
   KVKIT_REQUIRE_OK(cfg.update_summaries(stream.exec(), dev.view, s, bad.get(), nt.get(), 2));
   const kvkit::Status st = stream.status();
   REQUIRE(st.code() == kvkit::StatusCode::kOutOfRange);
-  std::vector<std::int32_t> c = count.download();
+  std::vector<std::int32_t> c = sums.count.download();
   REQUIRE(std::all_of(c.begin(), c.end(), [](std::int32_t x) { return x == 0; }));
   // A token count past the page size, and a page id listed twice.
   struct BadList {
@@ -296,7 +302,7 @@ TEST_CASE("eps cuda: unsupported settings throw naming the value; bad inputs giv
     const kvkit::Status bad_st = stream.status();
     REQUIRE(bad_st.code() == bl.code);
     REQUIRE_THAT(bad_st.message(), Catch::Contains(bl.what));
-    c = count.download();
+    c = sums.count.download();
     REQUIRE(std::all_of(c.begin(), c.end(), [](std::int32_t x) { return x == 0; }));
   }
   // More query heads than the shape's workspace was sized for: refused on the host.

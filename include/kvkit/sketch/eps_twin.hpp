@@ -403,6 +403,11 @@ struct WalkOut {
   double omitted = 0;
 };
 
+/// Ranks the walk may visit among nc candidates: top_pages of them (0: no cap).
+KVKIT_HOST_DEVICE std::int32_t walk_limit(std::int32_t nc, std::int32_t top_pages) {
+  return top_pages > 0 && top_pages < nc ? top_pages : nc;
+}
+
 /// Ranks whose order (and tail sums) the walk can need: with a scoring cap below lim it
 /// never scores, stops at or reads the tail of a rank past the cap (over it, it gives up
 /// and visits ranks [0, lim) as a set), so only the top `reach` ranks need sorting.
@@ -588,7 +593,7 @@ void prepass_host(const PagedKVView<T>& view, const T* q /* [batch, Hq, d] */, s
         }
         mass.assign(static_cast<std::size_t>(nc), -1.0);
         const double s0 = dmul(S, exp_d(dsub(mx, ref)));
-        const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
+        const std::int32_t lim = walk_limit(nc, a.top_pages);
         const WalkOut res = walk(tail.data(), nc, lim, s0, a.eps, detail::score_limit(a.score_budget, a.score_fraction, nc),
                                  mass.data(), 256, nc, tail[lim], [&](std::int32_t r0, std::int32_t r1) {
           for (std::int32_t r = r0; r < r1; ++r) {

@@ -137,6 +137,14 @@ KVKIT_DEVICE int eps_block_scan(int v, int* sh /* [kEpsWarps] shared */, int* to
   return off + pre - v;
 }
 
+/// This thread's contiguous share [*r0, *r1) of n items split over the block (the list
+/// kernels and the tail sums: one scan over per-thread counts instead of one per 256).
+KVKIT_DEVICE void eps_thread_range(std::int32_t n, std::int32_t* r0, std::int32_t* r1) {
+  const std::int32_t per = (n + kEpsThreads - 1) / kEpsThreads, t = static_cast<std::int32_t>(threadIdx.x);
+  *r0 = t * per < n ? t * per : n;
+  *r1 = *r0 + per < n ? *r0 + per : n;
+}
+
 /// Lanes per page in the pre-pass's bound and mass loops: lane l of an aligned group of 8
 /// threads computes the CPU's float lane l (twin::box_hi_lane / logit_lane), so the group
 /// reads 8 adjacent floats per step (one 32-byte sector) where one thread per page read a
@@ -490,10 +498,10 @@ __global__ void __launch_bounds__(kEpsThreads)
   const std::int32_t P = view.page_size, np = view.num_pages(b), len = view.seq_len(b);
   const std::size_t base = static_cast<std::size_t>(bh) * max_pages;
   const bool on = tw::head_is_on(a.head_mask, h);
-  // Thread t classifies pages [t·per, (t+1)·per): one scan per list, where a scan per 256
-  // pages made the kernel barrier-bound (33 us for 4096 pages on an H100).
-  const std::int32_t per = (np + kEpsThreads - 1) / kEpsThreads;
-  const std::int32_t j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
+  // A contiguous range of pages per thread: one scan per list, where a scan per 256 pages
+  // made the kernel barrier-bound (33 us for 4096 pages on an H100).
+  std::int32_t j0, j1;
+  eps_thread_range(np, &j0, &j1);
   int my_a = 0;
   for (std::int32_t j = j0; j < j1; ++j) {
     const int is_a = tw::always_visited(s, on, j, np, a.last_n, view.page_id(b, j), tw::page_tokens(len, P, j)) ? 1 : 0;
@@ -610,7 +618,7 @@ __global__ void __launch_bounds__(kEpsThreads)
     return;
   }
   // Quantised masses and their total (exact integers: any order).
-  const std::int32_t lim = a.top_pages > 0 ? (nc < a.top_pages ? nc : a.top_pages) : nc;
+  const std::int32_t lim = tw::walk_limit(nc, a.top_pages);
   const std::int32_t budget = sketch::detail::score_limit(a.score_budget, a.score_fraction, nc);
   const std::int32_t known = tw::walk_reach(lim, budget);  // the ranks the walk can need in order
   Mass128 loc;
@@ -622,33 +630,28 @@ __global__ void __launch_bounds__(kEpsThreads)
   const double s0 = tw::dmul(S, tw::exp_d(tw::dsub(mx, ref)));
   // The top `known` candidates (ord[i] = i, else -1) and tail[known]; a radix cut, not a
   // sort, when the scoring cap leaves ranks the walk never orders.
-  Mass128 tail_k, tail_l;  // tail sums at ranks known and lim
-  if (known < nc) {
-    const tw::RankCut cut = eps_block_cut(ub, nc, known, hist, scan, red_hi, shv);
-    loc = Mass128{};
+  // tail[k] for the top k < nc by a cut; mark(i, in) records each candidate's side.
+  auto tail_below_top = [&](std::int32_t k, auto&& mark) {
+    const tw::RankCut cut = eps_block_cut(ub, nc, k, hist, scan, red_hi, shv);
+    Mass128 in_sum;
     for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
       const bool in = cut.has(tw::rank_key(ub[i]), i);
-      ord[i] = in ? i : -1;
-      if (in) loc.add(w[i]);
+      mark(i, in);
+      if (in) in_sum.add(w[i]);
     }
-    tail_k = total;
-    tail_k.sub(eps_block_mass_sum(loc, red_hi, red_lo));
-  } else {
+    Mass128 t = total;
+    t.sub(eps_block_mass_sum(in_sum, red_hi, red_lo));
+    return t;
+  };
+  Mass128 tail_k, tail_l;  // tail sums at ranks known and lim (0 at nc)
+  if (known < nc)
+    tail_k = tail_below_top(known, [&](std::int32_t i, bool in) { ord[i] = in ? i : -1; });
+  else
     for (std::int32_t i = tid; i < nc; i += kEpsThreads) ord[i] = i;
-  }
-  if (lim == known) {
+  if (lim == known)
     tail_l = tail_k;
-  } else if (lim < nc) {  // known < lim < nc: a give-up visits the top lim as a set
-    const tw::RankCut cut = eps_block_cut(ub, nc, lim, hist, scan, red_hi, shv);
-    loc = Mass128{};
-    for (std::int32_t i = tid; i < nc; i += kEpsThreads) {
-      const bool in = cut.has(tw::rank_key(ub[i]), i);
-      pick[cand[i]] = in ? 1 : 0;
-      if (in) loc.add(w[i]);
-    }
-    tail_l = total;
-    tail_l.sub(eps_block_mass_sum(loc, red_hi, red_lo));
-  }
+  else if (lim < nc)  // known < lim < nc: a give-up visits the top lim as a set
+    tail_l = tail_below_top(lim, [&](std::int32_t i, bool in) { pick[cand[i]] = in ? 1 : 0; });
   // Capped below lim and no stop possible within the cap: walk's phase-1 give-up, decided
   // before anything is sorted (the case of every page visited).
   if (known < lim && !tw::stop_possible(known, lim, tail_k, total, s0, a.eps, tw::stop_factor(nc))) {
@@ -680,10 +683,10 @@ __global__ void __launch_bounds__(kEpsThreads)
   }
   __syncthreads();
   eps_block_sort(ub, ord, n2);  // ub is permuted with ord: no longer by candidate
-  // Tail sums of ranks [0, known]: thread t sums ranks [t·per, (t+1)·per), thread 0 turns
-  // the chunk sums into suffixes above tail[known], then each thread fills its chunk.
-  const std::int32_t per = (known + kEpsThreads - 1) / kEpsThreads;
-  const std::int32_t r0 = tid * per < known ? tid * per : known, r1 = r0 + per < known ? r0 + per : known;
+  // Tail sums of ranks [0, known]: each thread sums its range of ranks, thread 0 turns the
+  // range sums into suffixes above tail[known], then each thread fills its range.
+  std::int32_t r0, r1;
+  eps_thread_range(known, &r0, &r1);
   loc = Mass128{};
   for (std::int32_t r = r0; r < r1; ++r) loc.add(w[ord[r]]);
   red_hi[tid] = loc.hi;
@@ -751,8 +754,8 @@ __global__ void __launch_bounds__(kEpsThreads)
   int v = 0;
   if (j < np) {
     v = ws.visit[base + j];
-    for (std::int32_t gq = 0; gq < grp; ++gq)  // a candidate: every query head wrote its pick
-      v |= v ? 0 : ws.pick[(static_cast<std::size_t>(bh) * grp + gq) * max_pages + j];
+    for (std::int32_t gq = 0; !v && gq < grp; ++gq)  // a candidate: every query head wrote its pick
+      v = ws.pick[(static_cast<std::size_t>(bh) * grp + gq) * max_pages + j];
     ws.visit[base + j] = static_cast<std::uint8_t>(v);
   }
   int tot = 0;
@@ -781,10 +784,10 @@ __global__ void __launch_bounds__(kEpsThreads)
   }
   const std::uint8_t* visit = ws.visit + static_cast<std::size_t>(bh) * max_pages;
   const std::int32_t np = ws.np[bh];
-  // Thread t emits pages [t·per, (t+1)·per): one scan (a scan per 256 pages was
+  // A contiguous range of pages per thread: one scan (a scan per 256 pages was
   // barrier-bound).
-  const std::int32_t per = (np + kEpsThreads - 1) / kEpsThreads;
-  const std::int32_t j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
+  std::int32_t j0, j1;
+  eps_thread_range(np, &j0, &j1);
   int mine = 0;
   for (std::int32_t j = j0; j < j1; ++j) mine += visit[j];
   int tot = 0;
@@ -940,6 +943,7 @@ class EpsCudaConfig {
     const std::int64_t qblocks = blocks * (num_qo_heads / hkv);
     KVKIT_CHECK_STATUS(qblocks <= 2147483647LL, StatusCode::kInvalidArgument, kOp, ": batch x query heads ", qblocks,
                        " exceeds the CUDA grid limit");
+    // Slices of 256 pages: the check's second grid dimension (at most 64) and the union's.
     const std::int64_t slices = (shape.max_pages + cd::kEpsThreads - 1) / cd::kEpsThreads;
     cd::eps_check_prepass_kernel<T><<<dim3(static_cast<unsigned>(view.batch_size < 1024 ? view.batch_size : 1024),
                                            static_cast<unsigned>(slices < 64 ? slices : 64)),
@@ -978,8 +982,7 @@ class EpsCudaConfig {
     cd::eps_prepass_kernel<T><<<static_cast<unsigned>(qblocks), cd::kEpsThreads, smem, stream>>>(
         view, q, num_qo_heads, a, shape.max_pages, sc, smem_sort, omitted, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
-    const std::int64_t page_blocks = (shape.max_pages + cd::kEpsThreads - 1) / cd::kEpsThreads;
-    cd::eps_union_kernel<><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(page_blocks)), cd::kEpsThreads,
+    cd::eps_union_kernel<><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), cd::kEpsThreads,
                              0, stream>>>(grp, shape.max_pages, sc, ex.status);
     KVKIT_RETURN_IF_ERROR(cd::launch_status(kOp));
     cd::eps_emit_kernel<><<<static_cast<unsigned>(blocks), cd::kEpsThreads, 0, stream>>>(shape.max_pages, sc, indptr,
