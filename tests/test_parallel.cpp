@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -108,6 +109,8 @@ TEST_CASE("ThreadPool uses its workers, nests inline and serialises callers",
   ThreadPool pool(3, 0);
   SECTION("tasks reach more than one thread") {
     // Each task waits (bounded) until two tasks run at once: only possible on 2+ threads.
+    // The bound is 20 s of wall clock, not a count of yields: on a loaded 2-core CI
+    // machine a second worker may take a while to be scheduled.
     std::atomic<int> running{0}, overlapped{0};
     struct Ctx {
       std::atomic<int>* running;
@@ -116,7 +119,8 @@ TEST_CASE("ThreadPool uses its workers, nests inline and serialises callers",
     pool.run(3, [](void* arg, int) {
       auto& c = *static_cast<Ctx*>(arg);
       c.running->fetch_add(1);
-      for (int i = 0; i < 2000000 && c.running->load() < 2; ++i) std::this_thread::yield();
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (c.running->load() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
       if (c.running->load() >= 2) c.overlapped->fetch_add(1);
     }, &ctx);
     REQUIRE(overlapped.load() >= 1);

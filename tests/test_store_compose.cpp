@@ -32,6 +32,7 @@
 #include "engine/store_connector.hpp"
 #include "engine_runs.hpp"
 #include "kvkit/store/block_store.hpp"
+#include "reference.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
@@ -108,7 +109,7 @@ TEST_CASE("store beside token-moving policies: every saved block is what the mod
   const auto ck = test::stories_or_synthetic();
   const std::string name = GENERATE(as<std::string>{}, "streaming", "r1kv", "r1kv+eps", "kvchan");
   INFO("policy " << name);
-  std::mt19937_64 rng(std::random_device{}());
+  KVKIT_TEST_RNG(rng);
   std::uniform_int_distribution<std::int32_t> tok(3, ck->config().vocab_size - 1);
   std::vector<std::int32_t> prompt(20);
   for (auto& t : prompt) t = tok(rng);
