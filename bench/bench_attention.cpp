@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "read_floor.hpp"
 #include "kvkit/kernels/cpu.hpp"
 
 namespace {
@@ -202,8 +203,7 @@ std::unique_ptr<Fixture<T>> make_fixture(std::int32_t batch, std::int32_t seq, K
 }
 
 /// The floor: sums every 8-byte word of the layer's K and V pools (the bytes the kernel
-/// reads) with `threads` workers of the same parallel_for; 4 independent sums so the
-/// compiler vectorises the loop.
+/// reads) with `threads` workers of the same parallel_for (sum_words, read_floor.hpp).
 std::uint64_t floor_read(kvkit::exec::Host ex, const Layer& layer, std::size_t bytes_per_pool) {
   const std::size_t words = bytes_per_pool / 8;
   const std::int64_t tasks = 64;
@@ -213,19 +213,8 @@ std::uint64_t floor_read(kvkit::exec::Host ex, const Layer& layer, std::size_t b
       const std::size_t w0 = words * static_cast<std::size_t>(t) / tasks;
       const std::size_t w1 = words * static_cast<std::size_t>(t + 1) / tasks;
       std::uint64_t s = 0;
-      for (const unsigned char* base : {layer.k.data(), layer.v.data()}) {
-        const std::uint64_t* p = reinterpret_cast<const std::uint64_t*>(base);
-        std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-        std::size_t i = w0;
-        for (; i + 4 <= w1; i += 4) {
-          a0 += p[i];
-          a1 += p[i + 1];
-          a2 += p[i + 2];
-          a3 += p[i + 3];
-        }
-        for (; i < w1; ++i) a0 += p[i];
-        s += (a0 + a1) + (a2 + a3);
-      }
+      for (const unsigned char* base : {layer.k.data(), layer.v.data()})
+        s += kvkit::bench::sum_words(reinterpret_cast<const std::uint64_t*>(base), w0, w1);
       partial[t] = s;
     }
   });

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kvkit/kernels/cpu.hpp"
+#include "read_floor.hpp"
 #include "kvkit/sketch/eps.hpp"
 #ifdef KVKIT_BENCH_EPS_ENGINE
 #include "engine/engine.hpp"
@@ -410,17 +411,7 @@ std::uint64_t page_read_floor(const kvkit::PagedKVView<float>& view, const std::
     const std::int32_t page = view.page_id(0, pages[i]);
     const std::size_t words = static_cast<std::size_t>(rows_of(pages[i])) * view.head_dim * sizeof(float) / 8;
     for (const float* base : {view.k_data + view.k_offset(page, 0, 0), view.v_data + view.v_offset(page, 0, 0)}) {
-      const std::uint64_t* w = reinterpret_cast<const std::uint64_t*>(base);
-      std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-      std::size_t j = 0;
-      for (; j + 4 <= words; j += 4) {
-        a0 += w[j];
-        a1 += w[j + 1];
-        a2 += w[j + 2];
-        a3 += w[j + 3];
-      }
-      for (; j < words; ++j) a0 += w[j];
-      s += (a0 + a1) + (a2 + a3);
+      s += kvkit::bench::sum_words(reinterpret_cast<const std::uint64_t*>(base), 0, words);
     }
   }
   return s;
