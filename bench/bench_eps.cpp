@@ -32,6 +32,7 @@
 #include "kvkit/kernels/cpu.hpp"
 #include "read_floor.hpp"
 #include "kvkit/sketch/eps.hpp"
+#include "kvkit/sketch/eps_twin.hpp"
 #ifdef KVKIT_BENCH_EPS_ENGINE
 #include "engine/engine.hpp"
 #endif
@@ -395,24 +396,29 @@ double best_of_cold(int reps, F f) {
 // (scattered pages are where the hardware prefetchers cannot follow).
 std::uint64_t page_read_floor(const kvkit::PagedKVView<float>& view, const std::int32_t* pages,  // [n]
                               std::size_t n, std::size_t ahead) {
+  // Logical page lp's K and V rows of kv head 0 and their bytes (each side).
+  struct Rows {
+    const float* k;
+    const float* v;
+    std::size_t bytes;
+  };
   auto rows_of = [&](std::int32_t lp) {
-    return lp == view.num_pages(0) - 1 ? view.seq_len(0) - lp * view.page_size : view.page_size;
+    const std::int32_t t0 = lp * view.page_size;
+    return Rows{view.k_ptr(0, t0, 0), view.v_ptr(0, t0, 0),
+                static_cast<std::size_t>(kvkit::sketch::twin::page_tokens(view.seq_len(0), view.page_size, lp)) *
+                    view.head_dim * sizeof(float)};
   };
   std::uint64_t s = 0;
   for (std::size_t i = 0; i < n; ++i) {
     if (ahead > 0 && i + ahead < n) {
-      const std::int32_t lp = pages[i + ahead], pg = view.page_id(0, lp);
-      const std::size_t bytes = static_cast<std::size_t>(rows_of(lp)) * view.head_dim * sizeof(float);
+      const Rows r = rows_of(pages[i + ahead]);
       // Into L2 (prefetcht1), as the attention kernel does: an L1 prefetch holds one of
       // the few L1 miss buffers until its line arrives.
-      for (const float* base : {view.k_data + view.k_offset(pg, 0, 0), view.v_data + view.v_offset(pg, 0, 0)})
-        for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(base) + o, 0, 2);
+      for (const float* base : {r.k, r.v})
+        for (std::size_t o = 0; o < r.bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(base) + o, 0, 2);
     }
-    const std::int32_t page = view.page_id(0, pages[i]);
-    const std::size_t words = static_cast<std::size_t>(rows_of(pages[i])) * view.head_dim * sizeof(float) / 8;
-    for (const float* base : {view.k_data + view.k_offset(page, 0, 0), view.v_data + view.v_offset(page, 0, 0)}) {
-      s += kvkit::bench::sum_words(reinterpret_cast<const std::uint64_t*>(base), 0, words);
-    }
+    const Rows r = rows_of(pages[i]);
+    for (const float* base : {r.k, r.v}) s += kvkit::bench::sum_words(reinterpret_cast<const std::uint64_t*>(base), 0, r.bytes / 8);
   }
   return s;
 }
