@@ -10,7 +10,9 @@ evaluation of the prompt (until the first token), decode = N further greedy toke
 
 Usage: ../kvkit-venv/bin/python bench/smollm2_vs_llamacpp.py --cli build/examples/kvkit \
            [--baseline-cli OLD/kvkit] [--model PATH] [--threads 1 2] [--contexts 1024 4096]
-           [--decode 64] [--repeat 1]
+           [--decode 64] [--repeat 1] [--kv-dtypes float32 float16 bfloat16]
+--kv-dtypes runs kvkit once per element type of its K/V pages (`generate --kv-dtype`), a
+row each beside the same llama.cpp run (llama.cpp's default KV cache is float16).
 --baseline-cli adds the decode tokens/s of another kvkit build (e.g. main before a change)
 to every row, run in the same loop. --repeat N runs every measurement N times and keeps the
 best (highest tokens/s) of each, which filters out bursts of load from other processes.
@@ -49,14 +51,14 @@ def cut_text(text, n_tokens, tokenize, detokenize):
     return detokenize(ids)
 
 
-def run_kvkit(cli, model, text, threads, decode):
+def run_kvkit(cli, model, text, threads, decode, kv_dtype=None):
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
         path = f.name
     try:
         out = subprocess.run(
             [cli, "generate", "--model", model, "--prompt-file", path, "--max-tokens", str(decode),
-             "--threads", str(threads), "--json"],
+             "--threads", str(threads), "--json"] + (["--kv-dtype", kv_dtype] if kv_dtype else []),
             check=True, capture_output=True, text=True)
     finally:
         os.unlink(path)
@@ -102,6 +104,8 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--kv-dtypes", nargs="+", default=None,
+                    help="kvkit K/V page types (float32 float16 bfloat16); default: the CLI's default")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     try:
@@ -118,34 +122,38 @@ def main():
     for ctx in a.contexts:
         text = cut_text(suite_text(ctx, tok), ctx, tok, detok)
         ids = tok(text)
+        dtypes = a.kv_dtypes or [None]
         for t in a.threads:
-            ks, ls, bs = [], [], []
+            ks, ls, bs = {d: [] for d in dtypes}, [], []
             for _ in range(a.repeat):
-                ks.append(run_kvkit(a.cli, a.model, text, t, a.decode))
+                for d in dtypes:
+                    ks[d].append(run_kvkit(a.cli, a.model, text, t, a.decode, d))
                 ls.append(run_llamacpp(Llama, a.model, ids, t, a.decode))
                 if a.baseline_cli:
                     bs.append(run_kvkit(a.baseline_cli, a.model, text, t, a.decode))
-            row = {"context": len(ids), "threads": t, "kvkit": best(ks), "llama_cpp": best(ls)}
-            if bs:
-                row["baseline"] = best(bs)
-            rows.append(row)
-            k, l = row["kvkit"], row["llama_cpp"]
-            print(f"ctx {len(ids)} T{t}: kvkit decode {k['decode_tps']:.1f} prefill "
-                  f"{k['prefill_tps']:.1f} | llama.cpp decode {l['decode_tps']:.1f} prefill "
-                  f"{l['prefill_tps']:.1f}" + (f" | baseline decode {row['baseline']['decode_tps']:.1f}"
-                                               if bs else ""), file=sys.stderr)
+            for d in dtypes:
+                row = {"context": len(ids), "threads": t, "kv_dtype": d or "default", "kvkit": best(ks[d]),
+                       "llama_cpp": best(ls)}
+                if bs:
+                    row["baseline"] = best(bs)
+                rows.append(row)
+                k, l = row["kvkit"], row["llama_cpp"]
+                print(f"ctx {len(ids)} T{t} kv {row['kv_dtype']}: kvkit decode {k['decode_tps']:.1f} prefill "
+                      f"{k['prefill_tps']:.1f} | llama.cpp decode {l['decode_tps']:.1f} prefill "
+                      f"{l['prefill_tps']:.1f}" + (f" | baseline decode {row['baseline']['decode_tps']:.1f}"
+                                                   if bs else ""), file=sys.stderr)
     base = bool(a.baseline_cli)
-    print("| prompt tokens | threads | kvkit decode tok/s | llama.cpp decode tok/s | ratio | " +
+    print("| prompt tokens | threads | kvkit KV | kvkit decode tok/s | llama.cpp decode tok/s | ratio | " +
           ("baseline kvkit decode tok/s | after / before | " if base else "") +
           "kvkit prefill tok/s | llama.cpp prefill tok/s | ratio |")
-    print("|---|---|---|---|---|" + ("---|---|" if base else "") + "---|---|---|")
+    print("|---|---|---|---|---|---|" + ("---|---|" if base else "") + "---|---|---|")
     for r in rows:
         k, l = r["kvkit"], r["llama_cpp"]
         extra = ""
         if base:
             b = r["baseline"]
             extra = f"{b['decode_tps']:.1f} | {k['decode_tps'] / b['decode_tps']:.2f} | "
-        print(f"| {r['context']} | {r['threads']} | {k['decode_tps']:.1f} | {l['decode_tps']:.1f} | "
+        print(f"| {r['context']} | {r['threads']} | {r['kv_dtype']} | {k['decode_tps']:.1f} | {l['decode_tps']:.1f} | "
               f"{k['decode_tps'] / l['decode_tps']:.2f} | {extra}{k['prefill_tps']:.1f} | "
               f"{l['prefill_tps']:.1f} | {k['prefill_tps'] / l['prefill_tps']:.2f} |")
     if a.json:

@@ -115,6 +115,7 @@ struct Options {
   std::int32_t threads = 1;
   std::string layout = "nhd";
   std::string table = "csr";
+  std::string kv_dtype = "float32";  // element type of the K/V pages
   bool contiguous = false;
   bool json = false;
   bool page_size_given = false;
@@ -237,6 +238,23 @@ void add_engine_options(CLI::App& cmd, Options& o, bool prompts = true) {
   cmd.footer(kFooter);
 }
 
+// --kv-dtype on generate and chat: the pages' element type (EngineOptions::kv_dtype).
+void add_kv_dtype_option(CLI::App& cmd, Options& o) {
+  cmd.add_option("--kv-dtype", o.kv_dtype,
+                 "element type of the K/V pages: float32 (default), float16 or bfloat16 (half the KV "
+                 "bytes; write_kv rounds each new row to nearest even, attention reads it widened "
+                 "exactly); 16-bit pages run without --policy (the example policies read float32 pages)")
+      ->type_name("T")
+      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}));
+}
+
+kvkit::DType parse_kv_dtype(const std::string& s) {
+  if (s == "float16") return kvkit::DType::kFloat16;
+  if (s == "bfloat16") return kvkit::DType::kBFloat16;
+  if (s == "float32") return kvkit::DType::kFloat32;
+  throw UsageError("unsupported --kv-dtype " + s + " (float32, float16 or bfloat16)");
+}
+
 // Parses argv into `o`. Help and --version print and return false (exit 0); mistakes
 // throw UsageError.
 bool parse_args(int argc, char** argv, Options& o) {
@@ -246,6 +264,7 @@ bool parse_args(int argc, char** argv, Options& o) {
   app.footer(kFooter);
   CLI::App* gen = app.add_subcommand("generate", "greedy decoding of a batch of prompts through the paged engine");
   add_engine_options(*gen, o);
+  add_kv_dtype_option(*gen, o);
   gen->add_option("--batch", o.batch, "sequences decoded together, 1 to 4096 (default: the number of prompts, else 1)")
       ->type_name("B")
       ->check(int_in(1, kMaxBatch));
@@ -288,6 +307,7 @@ bool parse_args(int argc, char** argv, Options& o) {
                 "run, and report top1_agreement, mean_kl, max_kl (nats) over the generated steps");
   CLI::App* chat = app.add_subcommand("chat", "interactive multi-turn chat with a GGUF model: one user turn per stdin line, the conversation's KV kept between turns");
   add_engine_options(*chat, o, false);
+  add_kv_dtype_option(*chat, o);
   add_text_options(*chat, o, true);
   add_policy_options(*chat);
   CLI::App* probe = kvkit::cli::add_probe_command(app, o.probe);
@@ -491,11 +511,13 @@ EngineOptions engine_options(const Options& o, const kvkit::engine::ModelConfig&
                                    : "--page-size " + std::to_string(o.page_size);
   if (o.num_pages_given) given += " --num-pages " + std::to_string(o.num_pages);
   else if (batch > 1) given += " --batch " + std::to_string(batch);
-  // K and V pools of every layer: num_pages x page tokens x kv heads x head_dim floats.
+  // K and V pools of every layer: num_pages x page tokens x kv heads x head_dim elements.
+  const kvkit::DType dtype = parse_kv_dtype(o.kv_dtype);
+  const std::uint64_t elem = static_cast<std::uint64_t>(kvkit::dtype_size(dtype));
   const std::uint64_t bytes =
       sat_mul(sat_mul(sat_mul(static_cast<std::uint64_t>(num_pages), static_cast<std::uint64_t>(page)),
                       static_cast<std::uint64_t>(c.kv_dim())),
-              sizeof(float) * 2 * static_cast<std::uint64_t>(c.n_layers));
+              elem * 2 * static_cast<std::uint64_t>(c.n_layers));
   const std::uint64_t limit = physical_memory_bytes();
   if (bytes > limit) {
     const std::string need = bytes == std::numeric_limits<std::uint64_t>::max()
@@ -503,7 +525,8 @@ EngineOptions engine_options(const Options& o, const kvkit::engine::ModelConfig&
                                  : std::to_string(bytes) + " bytes (" + human_bytes(bytes) + ")";
     throw UsageError(given + ": the KV pool would need " + need + " = " + std::to_string(num_pages) +
                      " pages x " + std::to_string(page) + " tokens x " + std::to_string(c.kv_dim()) +
-                     " floats x " + std::to_string(c.n_layers) + " layers x K,V x 4 bytes, more than "
+                     " elements x " + std::to_string(c.n_layers) + " layers x K,V x " +
+                     std::to_string(elem) + " bytes, more than "
                      "this machine's " + human_bytes(limit) + " of memory");
   }
   // The engine counts tokens and pages in int32 (seq_len + page_size - 1 included).
@@ -525,6 +548,7 @@ EngineOptions engine_options(const Options& o, const kvkit::engine::ModelConfig&
   e.contiguous = o.contiguous;
   e.threads = o.threads;
   e.quantized_matvec = o.matvec != "float";
+  e.kv_dtype = dtype;
   return e;
 }
 
@@ -562,6 +586,9 @@ void check_steps(const Options& o, const LoadedModel& m) {
 std::unique_ptr<EnginePolicy> make_policy(const Options& o, const kvkit::engine::ModelConfig& c,
                                           const EngineOptions& eo) {
   if (o.policy.empty()) return nullptr;
+  if (eo.kv_dtype != kvkit::DType::kFloat32 && o.policy != "none")
+    throw UsageError("--policy " + o.policy + " needs --kv-dtype float32 (the example policies read float32 "
+                     "pages); got --kv-dtype " + o.kv_dtype);
   std::vector<std::unique_ptr<EnginePolicy>> parts;
   for (const std::string& name : split_policy(o.policy)) {
     const auto e = std::find_if(o.policies->begin(), o.policies->end(), [&](const kvkit::cli::PolicyEntry& x) {
@@ -742,6 +769,7 @@ int cmd_generate(const Options& o) {
                     {"threads", eff.threads},
                     {"layout", o.layout},
                     {"table", o.table},
+                    {"kv_dtype", o.kv_dtype},
                     {"contiguous", o.contiguous},
                     {"sequences", seqs},
                     {"tokens_per_s", tps},
@@ -760,8 +788,8 @@ int cmd_generate(const Options& o) {
               << eff.threads << " thread" << (eff.threads == 1 ? "" : "s") << ")\n"
               << "KV cache: " << eng->kv_bytes_in_use() << " bytes in use (peak "
               << eng->kv_bytes_peak() << "), " << eng->pages_in_use() << " of " << eff.num_pages
-              << " pages of " << eff.page_size << " tokens, layout " << o.layout << ", " << o.table
-              << " page table\n";
+              << " pages of " << eff.page_size << " tokens, layout " << o.layout << ", " << o.kv_dtype
+              << ", " << o.table << " page table\n";
     if (policy) std::cout << policy_line(policy.get(), ls) << "\n";
   }
   return 0;
@@ -1026,6 +1054,7 @@ int cmd_generate_gguf(const Options& o) {
                     {"threads", eff.threads},
                     {"layout", o.layout},
                     {"table", o.table},
+                    {"kv_dtype", o.kv_dtype},
                     {"contiguous", o.contiguous},
                     {"prefill", o.prefill},
                     {"matvec", o.matvec},

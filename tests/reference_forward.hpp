@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "engine/checkpoint.hpp"
@@ -27,6 +29,10 @@ class RefModel {
     v_.resize(static_cast<std::size_t>(c_.n_layers));
   }
 
+  /// Rounds what an engine with 16-bit K/V pages rounds: every key and value as it is
+  /// cached, the queries before their scores and each attention output (empty: none).
+  void set_kv_rounding(std::function<double(double)> round) { round_ = std::move(round); }
+
   /// Logits after feeding `token` at the next position.
   std::vector<double> forward(std::int32_t token) {
     const int dim = c_.dim, hd = c_.head_dim(), kvd = c_.kv_dim(), hid = c_.hidden_dim;
@@ -41,6 +47,9 @@ class RefModel {
       std::vector<double> v = matvec(ck_.wv(l), kvd, dim, xb);
       rope(q, pos);
       rope(k, pos);
+      if (round_)
+        for (std::vector<double>* w : {&q, &k, &v})
+          for (double& e : *w) e = round_(e);
       k_[l].insert(k_[l].end(), k.begin(), k.end());
       v_[l].insert(v_[l].end(), v.begin(), v.end());
       std::vector<double> att(static_cast<std::size_t>(dim), 0.0);
@@ -61,6 +70,8 @@ class RefModel {
           for (int i = 0; i < hd; ++i)
             att[h * hd + i] += s[t] / z * v_[l][(t * c_.n_kv_heads + kh) * hd + i];
       }
+      if (round_)
+        for (double& e : att) e = round_(e);
       std::vector<double> o = matvec(ck_.wo(l), dim, dim, att);
       for (int i = 0; i < dim; ++i) x[i] += o[i];
       xb = rmsnorm(x, ck_.rms_ffn(l));
@@ -117,6 +128,7 @@ class RefModel {
   engine::ModelConfig c_;
   double norm_eps_, rope_theta_;
   std::vector<std::vector<double>> k_, v_;  // [layer][pos, Hkv, D]
+  std::function<double(double)> round_;
 };
 
 /// Largest absolute difference of got vs ref, relative to ref's largest magnitude.

@@ -27,6 +27,7 @@
 using namespace kvkit;
 using namespace kvkit::engine;
 using kvkit::test::CliResult;
+using kvkit::test::model_arg;
 using kvkit::test::run_cli;
 using kvkit::test::run_engine;
 using kvkit::test::run_json;
@@ -205,6 +206,20 @@ TEST_CASE("kvkit CLI --threads and --num-pages reach the engine", "[cli][engine-
   CHECK(r.out.find(" of 2 pages ") != std::string::npos);
 }
 
+TEST_CASE("kvkit CLI --kv-dtype stores 16-bit pages: half the KV bytes", "[cli][engine-options][kv_dtype]") {
+  const std::string m = model_arg();
+  const Json f32 = run_json("generate --json " + m + "--steps 40 --prompt '1 300 7'");
+  CHECK(f32.at("kv_dtype") == "float32");
+  for (const char* d : {"float16", "bfloat16"}) {
+    INFO("--kv-dtype " << d);
+    const Json j = run_json("generate --json " + m + "--steps 40 --prompt '1 300 7' --kv-dtype " + d);
+    CHECK(j.at("kv_dtype") == d);
+    CHECK(j.at("pages_in_use") == f32.at("pages_in_use"));
+    CHECK(j.at("kv_bytes_final").get<std::int64_t>() * 2 == f32.at("kv_bytes_final").get<std::int64_t>());
+    CHECK(j.at("sequences")[0].at("tokens").size() == f32.at("sequences")[0].at("tokens").size());
+  }
+}
+
 TEST_CASE("kvkit CLI usage errors exit 2 naming the value", "[cli][errors]") {
   TempDir tmp("errors");
   {
@@ -252,6 +267,8 @@ TEST_CASE("kvkit CLI usage errors exit 2 naming the value", "[cli][errors]") {
       {"trace --out x --prompt 1 --prompt '1 2'", {"one sequence", "2 prompts"}},
       {"generate --compare-full", {"--compare-full needs --policy"}},
       {"generate --policy nonesuch", {"--policy", "nonesuch"}},
+      {"generate --kv-dtype float8", {"--kv-dtype", "float8"}},
+      {"generate --kv-dtype float16 --policy r1kv", {"--policy r1kv", "--kv-dtype float16"}},
       // Text options need a GGUF model (its tokenizer).
       {"generate --chat --prompt hi", {"--chat", "GGUF", "no --model"}},
       {"generate --stop-at-eos", {"--stop-at-eos", "GGUF"}},
@@ -489,6 +506,14 @@ TEST_CASE("kvkit generate with a GGUF model: text in, chat answer out, JSON fiel
       CHECK(j.contains(key));
     CHECK(j.at("model") == kSmolPath);
     CHECK(j.at("synthetic") == false);
+  }
+  for (const char* d : {"float16", "bfloat16"}) {
+    // 16-bit K/V pages (half the bytes): the same answer on this question.
+    INFO("--kv-dtype " << d);
+    const Json j = run_json("generate --json " + model + " --chat --prompt " + quoted(question) +
+                            " --max-tokens 32 --stop-at-eos --kv-dtype " + d);
+    CHECK(j.at("kv_dtype") == d);
+    CHECK(j.at("text").get<std::string>().find("Berlin") != std::string::npos);
   }
   {
     // Plain text (no template), cut by --max-tokens, with a system message refused.

@@ -2,8 +2,9 @@
 // Engine: a small paged inference engine around Model, the host in which kvkit policies
 // are demonstrated.
 //
-// It owns, per layer, a K pool and a V pool of float pages (layout NHD or HND, see
-// kvkit::packed_strides), a BlockAllocator handing out page ids shared by all layers, and
+// It owns, per layer, a K pool and a V pool of pages (layout NHD or HND, see
+// kvkit::packed_strides; elements float32, or float16 / bfloat16 with
+// EngineOptions::kv_dtype, as engines store them), a BlockAllocator handing out page ids shared by all layers, and
 // a batch of sequences. Every step builds the page table in the configured encoding (CSR
 // or dense block table) and one kvkit::PagedKVView per layer, then runs one token per live
 // sequence. Decoding: a sequence whose prompt is not consumed yet is teacher-forced on its
@@ -55,6 +56,11 @@
 //  - Extra pools: a policy with its own page storage (packed pages of another head dim)
 //    registers its byte counter with register_pool(); kv_bytes_in_use() / kv_bytes_peak()
 //    include it.
+//  - Element type: the pages hold EngineOptions::kv_dtype. Hooks and policies that read
+//    or write pages get float views (StepInfo::layer_views, AttentionCall, k_pool(),
+//    layer_views()), so they need float32 pages: with 16-bit pages set_attention and
+//    k_pool() / v_pool() / layer_views() throw naming the dtype, and StepInfo::layer_views
+//    is null. Page events, reclaim and registered pools work with any dtype.
 //  - Pool size: the pools are allocated up front; a size above max_pool_bytes (default:
 //    physical memory) throws PoolTooLargeError naming the value and the bytes needed.
 
@@ -66,6 +72,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -77,6 +84,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine/model.hpp"
 #include "engine/prefill.hpp"
+#include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
 #include "kvkit/kernels/cpu.hpp"
@@ -106,6 +114,7 @@ struct EngineOptions {
   // the same tokens as a whole prefill). Costs O(T^2) K/V reads per chunk.
   bool prefill_decode_attention = false;
   std::int64_t max_pool_bytes = 0;                   // K+V pool cap; 0: physical memory
+  DType kv_dtype = DType::kFloat32;                  // element type of the K/V pages
 };
 
 /// Thrown by the Engine constructor when the K/V pools would exceed max_pool_bytes (a
@@ -134,7 +143,8 @@ struct StepInfo {
   std::int64_t step = 0;                             // steps run so far, this one included
   std::int32_t batch = 0;                            // sequences in this step
   const SeqId* seq_ids = nullptr;                    // [batch] sequence of each view row
-  const PagedKVView<float>* layer_views = nullptr;   // [n_layers] after this step's write
+  const PagedKVView<float>* layer_views = nullptr;   // [n_layers] after this step's write;
+                                                     // null unless kv_dtype is float32
   const float* const* queries = nullptr;             // [n_layers] -> [batch, Hq, D] post-RoPE
   const float* logits = nullptr;                     // [batch, vocab]
 };
@@ -167,6 +177,9 @@ class Engine {
                 opt_.num_pages);
     KVKIT_CHECK(opt_.max_pool_bytes >= 0, "kvkit: max_pool_bytes must be >= 0, got ",
                 opt_.max_pool_bytes);
+    KVKIT_CHECK(opt_.kv_dtype == DType::kFloat32 || opt_.kv_dtype == DType::kFloat16 ||
+                    opt_.kv_dtype == DType::kBFloat16,
+                "kvkit: unsupported kv_dtype ", static_cast<int>(opt_.kv_dtype));
     max_pages_per_seq_ = static_cast<std::int32_t>(pages_for(c.seq_len));
     if (opt_.num_pages == 0) {
       const std::int64_t n = static_cast<std::int64_t>(opt_.max_batch) * max_pages_per_seq_;
@@ -180,13 +193,20 @@ class Engine {
     geometry_.page_size = opt_.page_size;
     geometry_.num_pages = opt_.num_pages;
     strides_ = packed_strides(geometry_, opt_.layout);
-    const std::size_t pool = static_cast<std::size_t>(strides_.page) * opt_.num_pages;
-    k_pools_.assign(static_cast<std::size_t>(c.n_layers), std::vector<float>(pool, 0.f));
-    v_pools_.assign(static_cast<std::size_t>(c.n_layers), std::vector<float>(pool, 0.f));
+    const std::size_t pool = static_cast<std::size_t>(strides_.page) * opt_.num_pages *
+                             static_cast<std::size_t>(dtype_size(opt_.kv_dtype));
+    for (int l = 0; l < c.n_layers; ++l) {  // zeroed bytes: 0.0 in every dtype
+      k_pools_.push_back(std::make_unique<unsigned char[]>(pool));
+      v_pools_.push_back(std::make_unique<unsigned char[]>(pool));
+    }
     // Batch-0 views over each layer's pools, for page copies (copy-on-write, fork).
-    for (int l = 0; l < c.n_layers; ++l)
-      pool_views_.push_back(make_csr_view(geometry_, k_pool(l), strides_, v_pool(l), strides_,
-                                          CsrPageTable{kZeroIndptr, nullptr, nullptr, 0}));
+    with_kv_type([&](auto tag) {
+      using T = decltype(tag);
+      for (int l = 0; l < c.n_layers; ++l)
+        views_of<T>(pool_views_).push_back(make_csr_view(geometry_, pool_as<T>(k_pools_, l), strides_,
+                                                         pool_as<T>(v_pools_, l), strides_,
+                                                         CsrPageTable{kZeroIndptr, nullptr, nullptr, 0}));
+    });
     allocator_ = std::make_unique<BlockAllocator>(opt_.num_pages, opt_.shuffle_seed);
     allocator_->set_observer([this](const PageEvent& e) {
       PageEvent ev = e;
@@ -217,7 +237,7 @@ class Engine {
     std::int64_t b = 1;
     for (std::int64_t f : {static_cast<std::int64_t>(o.page_size), static_cast<std::int64_t>(o.num_pages),
                            static_cast<std::int64_t>(c.n_kv_heads), static_cast<std::int64_t>(c.head_dim()),
-                           static_cast<std::int64_t>(sizeof(float)), static_cast<std::int64_t>(c.n_layers),
+                           static_cast<std::int64_t>(dtype_size(o.kv_dtype)), static_cast<std::int64_t>(c.n_layers),
                            std::int64_t{2}}) {
       if (f <= 0) return 0;
       if (b > std::numeric_limits<std::int64_t>::max() / f) return std::numeric_limits<std::int64_t>::max();
@@ -235,8 +255,15 @@ class Engine {
   const BlockAllocator& allocator() const { return *allocator_; }
   KVGeometry geometry() const { return geometry_; }
   KVStrides strides() const { return strides_; }
-  float* k_pool(int layer) { return k_pools_.at(static_cast<std::size_t>(layer)).data(); }
-  float* v_pool(int layer) { return v_pools_.at(static_cast<std::size_t>(layer)).data(); }
+  /// Element type of the K/V pages (EngineOptions::kv_dtype).
+  DType kv_dtype() const { return opt_.kv_dtype; }
+  /// Layer `layer`'s K (V) pool as floats [num_pages * page elements]; throws kvkit::Error
+  /// naming the dtype unless the pages hold float32.
+  float* k_pool(int layer) { return pool_as<float>(k_pools_, layer); }
+  float* v_pool(int layer) { return pool_as<float>(v_pools_, layer); }
+  /// Layer `layer`'s K (V) pool bytes, any dtype [num_pages * page elements * dtype size].
+  void* k_pool_bytes(int layer) { return k_pools_.at(static_cast<std::size_t>(layer)).get(); }
+  void* v_pool_bytes(int layer) { return v_pools_.at(static_cast<std::size_t>(layer)).get(); }
 
   /// Adds a sequence that will be fed `prompt` (teacher-forced) and then decode greedily.
   /// Returns its id (ids increase; batch order is ascending id).
@@ -449,7 +476,7 @@ class Engine {
   std::int64_t steps_run() const { return steps_; }
   std::int32_t pages_in_use() const { return allocator_->pages_in_use(); }
   /// Bytes of one page of one layer's K (or V) pool.
-  std::int64_t bytes_per_page() const { return strides_.page * static_cast<std::int64_t>(sizeof(float)); }
+  std::int64_t bytes_per_page() const { return strides_.page * static_cast<std::int64_t>(dtype_size(opt_.kv_dtype)); }
   /// K and V bytes of all layers held by pages in use, plus every registered pool (now /
   /// at the peak; the peak adds each pool's own peak, an upper bound of their joint peak).
   std::int64_t kv_bytes_in_use() const {
@@ -493,6 +520,8 @@ class Engine {
   /// kvkit::Error (two policies would otherwise silently drop one another); restore the
   /// dense kernel first to swap hooks on purpose.
   void set_attention(AttentionFn fn, AttentionWorkspaceFn workspace_size = {}) {
+    KVKIT_CHECK(!fn || opt_.kv_dtype == DType::kFloat32, "kvkit: set_attention: an attention hook reads "
+                "float32 pages, this engine stores ", to_string(opt_.kv_dtype));
     KVKIT_CHECK(!fn || !attention_.run,
                 "kvkit: set_attention: the attention call is already replaced by another hook "
                 "(set_attention({}) restores the dense kernel first)");
@@ -602,8 +631,11 @@ class Engine {
 #if KVKIT_HAS_EXCEPTIONS
     try {
 #endif
-      res = prefiller_.run(model_, pool_views_.data(), pages, s.tokens.data() + s.processed, n, s.kv_len,
-                           s.processed, nullptr);
+      res = with_kv_type([&](auto tag) {
+        using T = decltype(tag);
+        return prefiller_.run(model_, views_of<T>(pool_views_).data(), pages, s.tokens.data() + s.processed, n,
+                              s.kv_len, s.processed, nullptr);
+      });
 #if KVKIT_HAS_EXCEPTIONS
     } catch (...) {
       for (std::int32_t p : fresh) allocator_->release(p);
@@ -639,9 +671,11 @@ class Engine {
 
   /// Per-layer views over the live sequences as they are now (batch order = sequences()).
   /// Valid until the next change to the engine.
+  /// Float32 pages only (throws kvkit::Error naming the dtype otherwise).
   const std::vector<PagedKVView<float>>& layer_views() {
+    check_float_pages("layer_views()");
     if (dirty_) build_views(0);
-    return views_;
+    return views_of<float>(views_);
   }
 
  private:
@@ -680,6 +714,33 @@ class Engine {
     SeqId saved_;
   };
 
+  template <class T>
+  using Views = std::vector<PagedKVView<T>>;
+  using TypedViews = std::tuple<Views<float>, Views<half_t>, Views<bfloat16_t>>;  // one in use
+
+  // Calls f(T{}) with T the pages' element type.
+  template <class F>
+  auto with_kv_type(F&& f) const -> decltype(f(float{})) {
+    switch (opt_.kv_dtype) {
+      case DType::kFloat16: return f(half_t{});
+      case DType::kBFloat16: return f(bfloat16_t{});
+      default: return f(float{});
+    }
+  }
+  template <class T>
+  static Views<T>& views_of(TypedViews& v) { return std::get<Views<T>>(v); }
+  template <class T>
+  T* pool_as(std::vector<std::unique_ptr<unsigned char[]>>& pools, int layer) const {
+    if (dtype_of_v<T> != opt_.kv_dtype)
+      fail("kvkit: the K/V pages hold ", to_string(opt_.kv_dtype), ", not ", to_string(dtype_of_v<T>),
+           " (EngineOptions::kv_dtype)");
+    return reinterpret_cast<T*>(pools.at(static_cast<std::size_t>(layer)).get());
+  }
+  void check_float_pages(const char* what) const {
+    if (opt_.kv_dtype != DType::kFloat32)
+      fail("kvkit: ", what, " gives float32 views, this engine stores ", to_string(opt_.kv_dtype), " pages");
+  }
+
   static constexpr int kMaxReclaimRounds = 4;
   static constexpr std::int32_t kZeroIndptr[1] = {0};
 
@@ -694,7 +755,7 @@ class Engine {
       throw PoolTooLargeError(kvkit::detail::concat(
           "kvkit: KV pool too large: page_size ", opt_.page_size, " x num_pages ", opt_.num_pages,
           " needs ", need, " bytes (K and V, ", c.n_layers, " layers, ", c.n_kv_heads,
-          " heads x ", c.head_dim(), " floats per token), more than the limit of ", cap,
+          " heads x ", c.head_dim(), " ", to_string(opt_.kv_dtype), " per token), more than the limit of ", cap,
           " bytes (", opt_.max_pool_bytes > 0 ? "max_pool_bytes" : "physical memory", ")"));
     }
   }
@@ -749,10 +810,12 @@ class Engine {
 
   // Copies page src to dst in every layer's K and V pool, then reports the rewrite.
   void copy_page(std::int32_t src, std::int32_t dst, SeqId id) {
-    for (const PagedKVView<float>& v : pool_views_) {
-      const Status st = copy_pages(model_.exec(), v, &src, &dst, 1);
-      if (!st.is_ok()) fail("kvkit: copying page ", src, " to ", dst, " failed: ", st.to_string());
-    }
+    with_kv_type([&](auto tag) {
+      for (const auto& v : views_of<decltype(tag)>(pool_views_)) {
+        const Status st = copy_pages(model_.exec(), v, &src, &dst, 1);
+        if (!st.is_ok()) fail("kvkit: copying page ", src, " to ", dst, " failed: ", st.to_string());
+      }
+    });
     emit_rewrite(dst, id, src, 0);
   }
 
@@ -836,20 +899,24 @@ class Engine {
       seq_lens_.push_back(len);
       ++b;
     }
-    views_.clear();
-    for (int l = 0; l < config().n_layers; ++l) {
-      if (opt_.table_kind == PageTableKind::kCsr) {
-        views_.push_back(make_csr_view(geometry_, k_pool(l), strides_, v_pool(l), strides_,
-                                       CsrPageTable{indptr_.data(), indices_.data(),
-                                                    last_page_len_.data(), B}));
-      } else {
-        views_.push_back(make_block_table_view(geometry_, k_pool(l), strides_, v_pool(l), strides_,
-                                               BlockTable{table_.data(), max_pages_per_seq_,
-                                                          seq_lens_.data(), B}));
+    with_kv_type([&](auto tag) {
+      using T = decltype(tag);
+      Views<T>& views = views_of<T>(views_);
+      views.clear();
+      for (int l = 0; l < config().n_layers; ++l) {
+        T* k = pool_as<T>(k_pools_, l);
+        T* v = pool_as<T>(v_pools_, l);
+        if (opt_.table_kind == PageTableKind::kCsr) {
+          views.push_back(make_csr_view(geometry_, k, strides_, v, strides_,
+                                        CsrPageTable{indptr_.data(), indices_.data(), last_page_len_.data(), B}));
+        } else {
+          views.push_back(make_block_table_view(geometry_, k, strides_, v, strides_,
+                                                BlockTable{table_.data(), max_pages_per_seq_, seq_lens_.data(), B}));
+        }
       }
-    }
-    dirty_ = true;  // until validated below
-    if (opt_.validate_tables && !views_.empty()) views_.front().validate_page_table();
+      dirty_ = true;  // until validated below
+      if (opt_.validate_tables && !views.empty()) views.front().validate_page_table();
+    });
     dirty_ = false;
   }
 
@@ -929,7 +996,9 @@ class Engine {
       build_views(1);
       logits_.resize(static_cast<std::size_t>(B) * c.vocab_size);
       const ForwardBatch in{B, in_tokens_.data(), in_pos_.data(), in_slots_.data(), batch_ids_.data()};
-      st = model_.forward(in, views_.data(), logits_.data(), &attention_);
+      st = with_kv_type([&](auto tag) {
+        return model_.forward(in, views_of<decltype(tag)>(views_).data(), logits_.data(), &attention_);
+      });
 #if KVKIT_HAS_EXCEPTIONS
     } catch (...) {
       rollback(changes_);
@@ -964,8 +1033,9 @@ class Engine {
     if (!hooks_.empty()) {
       query_ptrs_.clear();
       for (int l = 0; l < c.n_layers; ++l) query_ptrs_.push_back(model_.queries(l));
-      const StepInfo info{steps_, B, batch_ids_.data(), views_.data(), query_ptrs_.data(),
-                          logits_.data()};
+      const PagedKVView<float>* fv =
+          opt_.kv_dtype == DType::kFloat32 ? views_of<float>(views_).data() : nullptr;
+      const StepInfo info{steps_, B, batch_ids_.data(), fv, query_ptrs_.data(), logits_.data()};
       in_step_ = false;  // the step is complete: hooks may change sequences
       for (auto& hook : hooks_) hook(*this, info);
     }
@@ -984,8 +1054,9 @@ class Engine {
   KVGeometry geometry_;
   KVStrides strides_;
   std::int32_t max_pages_per_seq_ = 0;
-  std::vector<std::vector<float>> k_pools_, v_pools_;  // [n_layers][num_pages * page elements]
-  std::vector<PagedKVView<float>> pool_views_;         // [n_layers] batch-0 views for copies
+  // [n_layers][num_pages * page elements * dtype size] bytes, zeroed
+  std::vector<std::unique_ptr<unsigned char[]>> k_pools_, v_pools_;
+  TypedViews pool_views_;  // [n_layers] batch-0 views for copies and prefill, kv_dtype's slot
   std::unique_ptr<BlockAllocator> allocator_;
   std::map<SeqId, Sequence> seqs_;
   SeqId next_id_ = 0;
@@ -1000,7 +1071,7 @@ class Engine {
   AttentionHook attention_;
   // Page tables and views of the current batch (rebuilt when sequences change).
   std::vector<std::int32_t> indptr_, indices_, last_page_len_, table_, seq_lens_;
-  std::vector<PagedKVView<float>> views_;
+  TypedViews views_;  // [n_layers] of the current batch, kv_dtype's slot
   // Step inputs and outputs.
   std::vector<StepPageChange> changes_;
   std::vector<std::int32_t> copied_;  // shared pages this step copies (one entry per copy)

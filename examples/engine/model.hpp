@@ -24,9 +24,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "engine/checkpoint.hpp"
+#include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
@@ -76,6 +78,42 @@ struct AttentionHook {
   AttentionFn run;
   AttentionWorkspaceFn workspace_size;  // empty: no scratch beyond the dense kernel's
 };
+
+/// Query / output scratch of decode_attention for 16-bit pages (grows once).
+struct Scratch16 {
+  std::vector<half_t> h;       // [2 * n]
+  std::vector<bfloat16_t> b;   // [2 * n]
+  template <class T>
+  std::vector<T>& of() {
+    if constexpr (std::is_same<T, half_t>::value) return h;
+    else return b;
+  }
+};
+
+/// paged_decode_attention with float queries and output whatever the pages' type T: the
+/// kernel takes q and out in T, so 16-bit pages get the queries rounded to T (nearest
+/// even, as llama.cpp rounds them for its f16 K products) and the output widened back
+/// exactly. n = batch * Hq * D, the elements of q and of out.
+template <class T>
+Status decode_attention(exec::Host ex, const PagedKVView<T>& view, const float* q /* [n] */,
+                        float* out /* [n] */, std::int64_t n, const DecodeAttentionParams& ap, Workspace ws,
+                        Scratch16& scratch) {
+  if constexpr (std::is_same<T, float>::value) {
+    (void)n;
+    (void)scratch;
+    return paged_decode_attention(ex, view, q, out, ap, ws);
+  } else {
+    const std::size_t N = static_cast<std::size_t>(n);
+    std::vector<T>& buf = scratch.template of<T>();
+    if (buf.size() < 2 * N) buf.resize(2 * N);
+    T* q16 = buf.data();
+    T* o16 = q16 + N;
+    kvkit::detail::cpu::convert(q, q16, N);
+    KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, static_cast<const T*>(q16), o16, ap, ws));
+    kvkit::detail::cpu::convert(static_cast<const T*>(o16), out, N);
+    return Status::ok();
+  }
+}
 
 class Model {
  public:
@@ -137,8 +175,12 @@ class Model {
   /// Runs one step. `views` holds one view per layer, each with batch_size == in.batch and
   /// a page table whose sequence b already counts the new token (its slot is in.slots[b]).
   /// Writes logits [batch, vocab]; `attention`, when set, replaces the dense attention.
+  /// T is the element type of the K/V pages (float, half_t, bfloat16_t): write_kv rounds
+  /// the new float K/V rows into it and the decode kernel reads it. An attention hook
+  /// gets float views (AttentionCall), so with 16-bit pages it is refused (kInvalidArgument).
   /// Returns the first failing kernel's (or hook's) Status.
-  Status forward(const ForwardBatch& in, const PagedKVView<float>* views /* [n_layers] */,
+  template <class T>
+  Status forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_layers] */,
                  float* logits /* [batch, vocab] */, const AttentionHook* attention = nullptr) {
     const ModelConfig& c = config();
     const std::int32_t B = in.batch;
@@ -166,7 +208,7 @@ class Model {
     const exec::Host ex = exec();
     const DecodeAttentionParams ap = attention_params();
     for (int l = 0; l < c.n_layers; ++l) {
-      const PagedKVView<float>& view = views[l];
+      const PagedKVView<T>& view = views[l];
       KVKIT_CHECK_STATUS(view.batch_size == B && view.num_kv_heads == c.n_kv_heads &&
                              view.head_dim == hd,
                          StatusCode::kInvalidArgument, "layer ", l, " view (batch ",
@@ -195,23 +237,28 @@ class Model {
                                      static_cast<std::int64_t>(kv)));
       std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
       const bool hooked = attention != nullptr && attention->run;
-      if (hooked && attention->workspace_size)
-        need = std::max(need, attention->workspace_size(l, view));
+      if constexpr (std::is_same<T, float>::value)
+        if (hooked && attention->workspace_size) need = std::max(need, attention->workspace_size(l, view));
       if (ws_.size() < need) ws_.resize(need);  // grows to the largest batch once
       const Workspace ws{ws_.data(), ws_.size()};
       if (hooked) {
-        AttentionCall call;
-        call.layer = l;
-        call.view = view;
-        call.seq_ids = in.seq_ids;
-        call.q = q.data();
-        call.out = att.data();
-        call.params = ap;
-        call.exec = ex;
-        call.workspace = ws;
-        KVKIT_RETURN_IF_ERROR(attention->run(call));
+        if constexpr (std::is_same<T, float>::value) {
+          AttentionCall call;
+          call.layer = l;
+          call.view = view;
+          call.seq_ids = in.seq_ids;
+          call.q = q.data();
+          call.out = att.data();
+          call.params = ap;
+          call.exec = ex;
+          call.workspace = ws;
+          KVKIT_RETURN_IF_ERROR(attention->run(call));
+        } else {
+          return make_status(StatusCode::kInvalidArgument, "an attention hook needs float32 K/V pages, got ",
+                             to_string(dtype_of_v<T>));
+        }
       } else {
-        KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q.data(), att.data(), ap, ws));
+        KVKIT_RETURN_IF_ERROR(decode_attention(ex, view, q.data(), att.data(), B * dim, ap, ws, q16_));
       }
       if (ql) {
         for (std::int32_t b = 0; b < B; ++b) {
@@ -329,6 +376,7 @@ class Model {
   std::vector<float> x_, xb_, att_, k_, v_, h1_, h3_;  // [batch, width] each
   std::vector<std::vector<float>> q_;                  // [n_layers][batch, Hq, D]
   std::vector<unsigned char> ws_;                      // attention workspace
+  Scratch16 q16_;                                      // 16-bit q / out of decode_attention
 };
 
 }  // namespace engine

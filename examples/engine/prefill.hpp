@@ -29,9 +29,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "engine/model.hpp"
+#include "kvkit/core/dtype.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
 #include "kvkit/kernels/cpu.hpp"
@@ -66,9 +68,11 @@ class Prefiller {
   /// from cache index cache_start on), attending to cache indices [0, cache_start + i].
   /// `pools` holds one view per layer over that layer's K/V pools (their page tables are
   /// ignored: only storage, geometry and strides are used). Writes the last token's logits
-  /// to `last_logits` [vocab] when not null. Returns the first failing kernel's Status;
+  /// to `last_logits` [vocab] when not null. T is the pages' element type (float, half_t,
+  /// bfloat16_t), as in Model::forward. Returns the first failing kernel's Status;
   /// throws kvkit::Error on bad arguments.
-  Status run(Model& model, const PagedKVView<float>* pools /* [n_layers] */,
+  template <class T>
+  Status run(Model& model, const PagedKVView<T>* pools /* [n_layers] */,
              const std::vector<std::int32_t>& pages, const std::int32_t* tokens /* [n] */,
              std::int32_t n, std::int32_t cache_start, std::int32_t pos_start,
              float* last_logits /* [vocab] or null */) {
@@ -127,7 +131,8 @@ class Prefiller {
     }
   }
 
-  Status run_chunk(Model& model, const PagedKVView<float>* pools, const std::vector<std::int32_t>& pages,
+  template <class T>
+  Status run_chunk(Model& model, const PagedKVView<T>* pools, const std::vector<std::int32_t>& pages,
                    const std::int32_t* tokens, std::int32_t n, std::int32_t cache_start,
                    std::int32_t pos_start, float* last_logits) {
     const ModelConfig& c = model.config();
@@ -170,7 +175,7 @@ class Prefiller {
       x.col(i) = Eigen::Map<const Eigen::VectorXf>(
           ck.token_embedding() + static_cast<std::size_t>(tokens[i]) * dim, dim);
     for (int l = 0; l < c.n_layers; ++l) {
-      PagedKVView<float> view = pools[l];  // the layer's storage, this chunk's causal table
+      PagedKVView<T> view = pools[l];  // the layer's storage, this chunk's causal table
       view.table_kind = PageTableKind::kCsr;
       view.batch_size = n;
       view.indptr = indptr_.data();
@@ -201,8 +206,8 @@ class Prefiller {
       } else {
         const std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
         if (ws_.size() < need) ws_.resize(need);
-        KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, q_.data(), att_.data(), ap,
-                                                     Workspace{ws_.data(), ws_.size()}));
+        KVKIT_RETURN_IF_ERROR(decode_attention(ex, view, q_.data(), att_.data(), static_cast<std::int64_t>(N) * dim,
+                                               ap, Workspace{ws_.data(), ws_.size()}, q16_));
       }
       if (ql) {
         quantize_columns(att_.data(), dim, n);
@@ -245,6 +250,27 @@ class Prefiller {
     return Status::ok();
   }
 
+  // A row as decode_attention sees it with pages of type T: 16-bit pages round the queries
+  // and the attention output to T (model.hpp), so prefill does too; float rows unchanged.
+  template <class T, class Row>
+  static Eigen::RowVectorXf as_stored(const Row& x) {
+    if constexpr (std::is_same<T, float>::value) {
+      return x;
+    } else {
+      return x.unaryExpr([](float e) { return to_float(from_float<T>(e)); });
+    }
+  }
+
+  // Row `dst` = the D elements at `src` as floats (16-bit pages widen exactly).
+  template <class T, class Row>
+  static void load_row(const T* src /* [D] */, int D, Row&& dst) {
+    if constexpr (std::is_same<T, float>::value) {
+      dst = Eigen::Map<const Eigen::RowVectorXf>(src, D);
+    } else {
+      for (int d = 0; d < D; ++d) dst(d) = to_float(src[d]);
+    }
+  }
+
   // Per-worker scratch of the tiled attention.
   struct TileScratch {
     Eigen::MatrixXf q, k, v, s, o;  // [rows, D], [KT, D], [KT, D], [rows, KT], [rows, D]
@@ -259,7 +285,8 @@ class Prefiller {
   // page table lists the pages of query token i, row n-1 all of them). Work items are
   // (kv head, block of kQueryBlock query tokens); each gathers K/V tiles of kKeyTile
   // tokens once for the G * block query rows of its head group, with an online softmax.
-  void tiled_attention(exec::Host ex, const PagedKVView<float>& view, std::int32_t n,
+  template <class T>
+  void tiled_attention(exec::Host ex, const PagedKVView<T>& view, std::int32_t n,
                        std::int32_t cache_start, float sm_scale, int n_heads) {
     const int hkv = view.num_kv_heads, D = view.head_dim, G = n_heads / hkv;
     const std::int32_t blocks = (n + kQueryBlock - 1) / kQueryBlock;
@@ -276,8 +303,8 @@ class Prefiller {
         t.q.resize(rows, D);
         for (std::int32_t i = i0; i < i1; ++i)
           for (int g = 0; g < G; ++g)
-            t.q.row((i - i0) * G + g) = Eigen::Map<const Eigen::RowVectorXf>(
-                q_.data() + static_cast<std::size_t>(i) * tok_stride + static_cast<std::size_t>(h * G + g) * D, D) * sm_scale;
+            t.q.row((i - i0) * G + g) = as_stored<T>(Eigen::Map<const Eigen::RowVectorXf>(
+                q_.data() + static_cast<std::size_t>(i) * tok_stride + static_cast<std::size_t>(h * G + g) * D, D)) * sm_scale;
         t.m.setConstant(rows, -std::numeric_limits<float>::infinity());
         t.l.setZero(rows);
         t.o.setZero(rows, D);
@@ -288,8 +315,8 @@ class Prefiller {
           t.v.resize(cnt, D);
           for (std::int32_t j = 0; j < cnt; ++j) {
             // Row n-1 of the view lists every page of the sequence.
-            t.k.row(j) = Eigen::Map<const Eigen::RowVectorXf>(view.k_ptr(n - 1, k0 + j, h), D);
-            t.v.row(j) = Eigen::Map<const Eigen::RowVectorXf>(view.v_ptr(n - 1, k0 + j, h), D);
+            load_row(view.k_ptr(n - 1, k0 + j, h), D, t.k.row(j));
+            load_row(view.v_ptr(n - 1, k0 + j, h), D, t.v.row(j));
           }
           t.s.noalias() = t.q * t.k.transpose();
           // Causal mask: query token i sees keys up to cache index cache_start + i.
@@ -317,7 +344,8 @@ class Prefiller {
           for (int g = 0; g < G; ++g) {
             const int r = (i - i0) * G + g;
             Eigen::Map<Eigen::RowVectorXf>(att_.data() + static_cast<std::size_t>(i) * tok_stride +
-                                               static_cast<std::size_t>(h * G + g) * D, D) = t.o.row(r) / t.l(r);
+                                               static_cast<std::size_t>(h * G + g) * D, D) =
+                as_stored<T>((t.o.row(r) / t.l(r)).eval());
           }
       }
     });
@@ -333,6 +361,7 @@ class Prefiller {
   std::vector<std::int64_t> slots_;                    // [n]
   std::vector<std::int32_t> indptr_, indices_, last_len_;  // causal CSR table, [n+1], [...], [n]
   std::vector<unsigned char> ws_;                      // attention workspace
+  Scratch16 q16_;                                      // 16-bit q / out of decode_attention
 };
 
 }  // namespace engine
