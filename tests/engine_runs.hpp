@@ -16,6 +16,25 @@
 namespace kvkit {
 namespace test {
 
+/// A checkpoint and the name tests print.
+struct NamedModel {
+  std::string name;
+  std::shared_ptr<const engine::Checkpoint> ckpt;
+};
+
+/// The synthetic checkpoint always, and stories260K when KVKIT_MODEL_DIR holds it (a WARN
+/// says when it does not): the real-model checks then run on synthetic only.
+inline std::vector<NamedModel> synthetic_and_stories() {
+  std::vector<NamedModel> m;
+  m.push_back({"synthetic", std::make_shared<const engine::Checkpoint>(engine::default_synthetic_checkpoint())});
+  const std::string path = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
+  if (std::filesystem::exists(path))
+    m.push_back({"stories260K", std::make_shared<const engine::Checkpoint>(engine::load_checkpoint(path))});
+  else
+    WARN("skipped: no model file " << path << " (real-model checks run on synthetic only)");
+  return m;
+}
+
 /// stories260K when KVKIT_MODEL_DIR holds it, else the synthetic checkpoint of the same
 /// shape (a WARN says so); loaded once per test binary. `name` (optional) receives
 /// "stories260K" or "synthetic".

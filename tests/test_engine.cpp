@@ -36,23 +36,6 @@ namespace {
 
 const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
 
-struct NamedModel {
-  std::string name;
-  std::shared_ptr<const Checkpoint> ckpt;
-};
-
-// The synthetic model always; the real one when present (a WARN says when it is not).
-std::vector<NamedModel> test_models() {
-  std::vector<NamedModel> m;
-  m.push_back({"synthetic", std::make_shared<const Checkpoint>(default_synthetic_checkpoint())});
-  if (fs::exists(kModelPath)) {
-    m.push_back({"stories260K", std::make_shared<const Checkpoint>(load_checkpoint(kModelPath))});
-  } else {
-    WARN("skipped: no model file " << kModelPath << " (real-model checks run on synthetic only)");
-  }
-  return m;
-}
-
 // A fresh per-test temporary folder, removed at the end of the scope.
 struct TempDir {
   fs::path path;
@@ -92,7 +75,7 @@ std::string slurp(const std::string& path) {
 // =======================================================================================
 
 TEST_CASE("paged layouts, page sizes and page tables decode identical tokens", "[engine]") {
-  for (const NamedModel& m : test_models()) {
+  for (const test::NamedModel& m : test::synthetic_and_stories()) {
     INFO("model " << m.name);
     const int steps = 256;
     EngineOptions contiguous;
@@ -130,7 +113,7 @@ TEST_CASE("paged layouts, page sizes and page tables decode identical tokens", "
 }
 
 TEST_CASE("a batch with different prompts matches each sequence run alone", "[engine]") {
-  for (const NamedModel& m : test_models()) {
+  for (const test::NamedModel& m : test::synthetic_and_stories()) {
     INFO("model " << m.name);
     const int steps = 256;
     const std::vector<std::vector<std::int32_t>> prompts = {
@@ -191,7 +174,7 @@ TEST_CASE("sequences joining and leaving mid-run reuse pages without changing ot
 }
 
 TEST_CASE("engine logits match a float64 reference forward pass", "[engine][reference]") {
-  for (const NamedModel& m : test_models()) {
+  for (const test::NamedModel& m : test::synthetic_and_stories()) {
     INFO("model " << m.name);
     const ModelConfig& c = m.ckpt->config();
     const int steps = 64;

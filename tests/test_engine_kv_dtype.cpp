@@ -14,30 +14,13 @@
 
 #include "engine/checkpoint.hpp"
 #include "engine/engine.hpp"
+#include "engine_runs.hpp"
 #include "reference_forward.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
 
 namespace {
-
-struct NamedModel {
-  std::string name;
-  std::shared_ptr<const Checkpoint> ckpt;
-};
-
-// The synthetic model always; stories260K when present (a WARN says when it is not).
-std::vector<NamedModel> kv_test_models() {
-  std::vector<NamedModel> m;
-  m.push_back({"synthetic", std::make_shared<const Checkpoint>(default_synthetic_checkpoint())});
-  const std::string path = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
-  if (std::filesystem::exists(path)) {
-    m.push_back({"stories260K", std::make_shared<const Checkpoint>(load_checkpoint(path))});
-  } else {
-    WARN("skipped: no model file " << path << " (real-model checks run on synthetic only)");
-  }
-  return m;
-}
 
 // x rounded to T through float, as the engine rounds its float rows.
 template <class T>
@@ -69,7 +52,7 @@ EngineOptions options_for(DType d, KVLayout layout, std::int32_t page_size) {
 // Logits of `steps` steps of the given engine over prompts, and the float64 references
 // fed the same tokens with and without the engine's rounding; the worst relative errors.
 template <class T>
-void check_against_reference(const NamedModel& m, KVLayout layout) {
+void check_against_reference(const test::NamedModel& m, KVLayout layout) {
   const ModelConfig& c = m.ckpt->config();
   const int steps = 48;
   Engine eng(m.ckpt, options_for(dtype_of_v<T>, layout, layout == KVLayout::kNHD ? 16 : 5));
@@ -130,7 +113,7 @@ void check_against_reference(const NamedModel& m, KVLayout layout) {
 
 TEST_CASE("16-bit K/V pages: logits match a float64 reference rounding K, V, q and the attention output",
           "[engine][kv_dtype][reference]") {
-  for (const NamedModel& m : kv_test_models())
+  for (const test::NamedModel& m : test::synthetic_and_stories())
     for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
       check_against_reference<half_t>(m, layout);
       check_against_reference<bfloat16_t>(m, layout);

@@ -17,28 +17,14 @@
 
 #include "engine/engine.hpp"
 #include "engine/eps_policy.hpp"
+#include "engine_runs.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
 
 namespace {
 
-const std::string kModelPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bin";
 
-struct NamedModel {
-  std::string name;
-  std::shared_ptr<const Checkpoint> ck;
-};
-
-std::vector<NamedModel> models() {
-  std::vector<NamedModel> m;
-  m.push_back({"synthetic", std::make_shared<const Checkpoint>(default_synthetic_checkpoint())});
-  if (std::filesystem::exists(kModelPath))
-    m.push_back({"stories260K", std::make_shared<const Checkpoint>(load_checkpoint(kModelPath))});
-  else
-    WARN("skipped: no model file " << kModelPath << " (runs on the synthetic model only)");
-  return m;
-}
 
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
@@ -49,13 +35,13 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][engine]") {
-  for (const NamedModel& nm : models()) {
+  for (const test::NamedModel& nm : test::synthetic_and_stories()) {
     for (sketch::SketchMethod method : {sketch::SketchMethod::kBox, sketch::SketchMethod::kFD}) {
       CAPTURE(nm.name, sketch::to_string(method));
       EngineOptions o;
       o.page_size = 8;
       o.max_batch = 2;
-      Engine full(nm.ck, o), eng(nm.ck, o);
+      Engine full(nm.ckpt, o), eng(nm.ckpt, o);
       sketch::SketchParams p;
       p.strict = true;
       p.eps = 1e-2;
@@ -69,7 +55,7 @@ TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][
       full.add_sequence({1, 7});
       eng.add_sequence(prompt);
       eng.add_sequence({1, 7});
-      const int steps = std::min(160, nm.ck->config().seq_len - 2);
+      const int steps = std::min(160, nm.ckpt->config().seq_len - 2);
       double worst = 0;
       for (int s = 0; s < steps; ++s) {
         full.step();
@@ -92,12 +78,12 @@ TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][
 
 TEST_CASE("eps engine: the default scoring cap reads fewer keys and a superset of the plain rule's pages",
           "[eps][engine]") {
-  for (const NamedModel& nm : models()) {
+  for (const test::NamedModel& nm : test::synthetic_and_stories()) {
     CAPTURE(nm.name);
     EngineOptions o;
     o.page_size = 8;
     o.max_batch = 2;
-    Engine full(nm.ck, o), plain_eng(nm.ck, o), capped_eng(nm.ck, o);
+    Engine full(nm.ckpt, o), plain_eng(nm.ckpt, o), capped_eng(nm.ckpt, o);
     sketch::SketchParams p;
     p.strict = true;
     p.eps = 1e-2;
@@ -112,7 +98,7 @@ TEST_CASE("eps engine: the default scoring cap reads fewer keys and a superset o
       e->add_sequence({1, 200, 300, 40, 55});
       e->add_sequence({1, 7});
     }
-    const int steps = std::min(160, nm.ck->config().seq_len - 2);
+    const int steps = std::min(160, nm.ckpt->config().seq_len - 2);
     for (int s = 0; s < steps; ++s) {
       full.step();
       plain_eng.step();
