@@ -249,10 +249,10 @@ void add_kv_dtype_option(CLI::App& cmd, Options& o) {
 }
 
 kvkit::DType parse_kv_dtype(const std::string& s) {
-  if (s == "float16") return kvkit::DType::kFloat16;
-  if (s == "bfloat16") return kvkit::DType::kBFloat16;
-  if (s == "float32") return kvkit::DType::kFloat32;
-  throw UsageError("unsupported --kv-dtype " + s + " (float32, float16 or bfloat16)");
+  kvkit::DType d = kvkit::DType::kFloat32;
+  if (!kvkit::dtype_from_string(s.c_str(), &d))
+    throw UsageError("unsupported --kv-dtype " + s + " (float32, float16 or bfloat16)");
+  return d;
 }
 
 // Parses argv into `o`. Help and --version print and return false (exit 0); mistakes

@@ -78,6 +78,16 @@ TEST_CASE("kvkit store-demo: memory, redis:// and redis-cluster:// give the same
     check_same_as(store_demo(redis_url), mem);
     CHECK(keys_on(server.port()) == 0);  // every key deleted
   }
+  {
+    // float16 pages and blocks through the real server: the same blocks and hits, the
+    // warm run's outputs equal the float16 store-free run.
+    const Json h = store_demo(redis_url, " --kv-dtype float16");
+    CHECK(h.at("kv_dtype") == "float16");
+    CHECK(h.at("outputs_match") == true);
+    CHECK(h.at("blocks_saved") == mem.at("blocks_saved"));
+    CHECK(h.at("hit_tokens") == mem.at("hit_tokens"));
+    CHECK(keys_on(server.port()) == 0);
+  }
 
   kvkit_test::RedisCluster cluster;
   REQUIRE(cluster.ok);

@@ -72,3 +72,17 @@ TEST_CASE("bfloat16 rounds to nearest even and keeps NaN", "[dtype]") {
   REQUIRE(dtype_of_v<bfloat16_t> == DType::kBFloat16);
   REQUIRE(std::string(to_string(DType::kFloat16)) == "float16");
 }
+
+TEST_CASE("dtype names round-trip through dtype_from_string; other names are refused", "[dtype]") {
+  for (kvkit::DType d : {kvkit::DType::kFloat32, kvkit::DType::kFloat16, kvkit::DType::kBFloat16}) {
+    kvkit::DType got = d == kvkit::DType::kFloat32 ? kvkit::DType::kBFloat16 : kvkit::DType::kFloat32;
+    CHECK(kvkit::dtype_from_string(kvkit::to_string(d), &got));
+    CHECK(got == d);
+  }
+  kvkit::DType keep = kvkit::DType::kFloat16;
+  for (const char* bad : {"float8", "Float16", "f16", "", "float16 "}) {
+    CHECK_FALSE(kvkit::dtype_from_string(bad, &keep));
+    CHECK(keep == kvkit::DType::kFloat16);  // unchanged
+  }
+  CHECK_FALSE(kvkit::dtype_from_string(nullptr, &keep));
+}

@@ -36,9 +36,11 @@ struct ThreeRuns {
 };
 
 ThreeRuns run_three(std::shared_ptr<const Checkpoint> ck, const DemoWorkload& w, store::BlockBackend& backend,
-                    const std::string& ns, std::int32_t max_tokens, std::int32_t stop = -1) {
+                    const std::string& ns, std::int32_t max_tokens, std::int32_t stop = -1,
+                    DType kv_dtype = DType::kFloat32) {
   DemoRunConfig cfg;
   cfg.engine.page_size = 16;
+  cfg.engine.kv_dtype = kv_dtype;
   cfg.max_tokens = max_tokens;
   cfg.stop_token = stop;
   ThreeRuns r;
@@ -77,6 +79,38 @@ TEST_CASE("store demo: synthetic model, memory store: warm run equals the store-
   // 17 shared prefix blocks saved once, plus each request's own full blocks.
   CHECK(r.cold.blocks_saved >= 17);
   CHECK(r.cold.requests[1].saved_blocks < r.cold.requests[0].saved_blocks);
+}
+
+TEST_CASE("store demo: 16-bit pages store 16-bit blocks (half the bytes); another dtype's blocks are a miss",
+          "[store_demo][kv_dtype]") {
+  auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
+  const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4, 5);
+  store::MemoryBackend mem32(64u << 20);
+  const ThreeRuns r32 = run_three(ck, w, mem32, store::make_namespace("synthetic-f32"), 8);
+  check_warm(r32, w, 16);
+  for (DType d : {DType::kFloat16, DType::kBFloat16}) {
+    INFO("kv_dtype " << to_string(d));
+    store::MemoryBackend mem(64u << 20);
+    const std::string ns = store::make_namespace(std::string("synthetic-") + to_string(d));
+    const ThreeRuns r = run_three(ck, w, mem, ns, 8, -1, d);
+    check_warm(r, w, 16);  // loaded 16-bit blocks give the 16-bit run's own tokens
+    CHECK(r.cold.blocks_saved == r32.cold.blocks_saved);
+    // Same keys, payloads of half the size (headers and keys are the rest).
+    CHECK(mem.used_bytes() < mem32.used_bytes() * 0.55);
+    CHECK(mem.used_bytes() > mem32.used_bytes() * 0.45);
+    // A float32 engine on the 16-bit namespace: the blocks are there but of another
+    // dtype, so the first load is rejected (a miss), recomputed, and the outputs stay exact.
+    DemoRunConfig cfg;
+    cfg.max_tokens = 8;
+    cfg.backend = &mem;
+    cfg.store.ns = ns;
+    cfg.store.lookup = true;
+    const DemoRun cross = run_demo_workload(ck, w, cfg);
+    CHECK(same_outputs(r32.base, cross));
+    CHECK(cross.requests[0].matched_blocks > 0);
+    CHECK(cross.requests[0].loaded_blocks == 0);
+    CHECK(cross.requests[0].load_error.find(std::string("block dtype ") + to_string(d)) != std::string::npos);
+  }
 }
 
 TEST_CASE("store demo: a corrupted stored block is a miss, outputs stay exact, the save repairs it",
@@ -150,7 +184,7 @@ TEST_CASE("store connector: pages rewritten by a policy are not saved", "[store_
     eng.free_sequence(id);
     // A new request with the same prompt finds exactly those 3 blocks.
     const auto hashes = prefix_block_hashes(prompt.data(), prompt.size(), 8);
-    CHECK(conn.block_store().match_blocks(hashes.data(), hashes.size()) == 3);
+    CHECK(conn.match_blocks(hashes.data(), hashes.size()) == 3);
   }
   SECTION("truncate_kv at a page boundary (no rewrite event): only the pages kept then") {
     const SeqId id = conn.start(prompt).id;
@@ -206,6 +240,10 @@ TEST_CASE("store demo: stories260K on a private redis-server", "[store_demo][red
   const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4);
   const ThreeRuns r = run_three(ck, w, redis, store::make_namespace("stories260K-redis"), 24);
   check_warm(r, w, 16);
+  // float16 pages move float16 blocks through the same server.
+  const ThreeRuns h = run_three(ck, w, redis, store::make_namespace("stories260K-redis-f16"), 24, -1,
+                                DType::kFloat16);
+  check_warm(h, w, 16);
 }
 #endif
 

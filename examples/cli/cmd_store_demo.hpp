@@ -3,7 +3,7 @@
 //
 //   kvkit store-demo --model M --store memory|redis://HOST:PORT|redis-cluster://HOST:PORT[,...]
 //                    [--max-tokens N] [--page-size P] [--threads T] [--document FILE]
-//                    [--codec raw|zstd] [--keep] [--json]
+//                    [--codec raw|zstd] [--kv-dtype float32|float16|bfloat16] [--keep] [--json]
 //
 // A GGUF model (SmolLM2) answers 4 questions about one shared document (ChatML, text out);
 // a llama2.c model (.bin) runs a 272-token common prefix + 4 suffixes of token ids. Three
@@ -56,6 +56,7 @@ struct StoreDemoOptions {
   std::string store = "memory";
   std::string document;  // text models: file with the shared document (default: built in)
   std::string codec = "raw";
+  std::string kv_dtype = "float32";  // element type of the pages, and so of the stored blocks
   std::int32_t max_tokens = 32;
   std::int32_t page_size = 16;
   std::int32_t threads = 1;
@@ -88,6 +89,11 @@ inline void add_store_demo_options(CLI::App& cmd, StoreDemoOptions& o) {
   cmd.add_option("--codec", o.codec, "stored payloads: raw (default) or zstd")
       ->type_name("C")
       ->check(CLI::IsMember({"raw", "zstd"}));
+  cmd.add_option("--kv-dtype", o.kv_dtype,
+                 "element type of the K/V pages and so of the stored blocks: float32 (default), float16 "
+                 "or bfloat16 (half the bytes saved and loaded)")
+      ->type_name("T")
+      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}));
   cmd.add_flag("--keep", o.keep, "leave the saved blocks in the store (default: delete them at the end)");
   cmd.add_flag("--json", o.json, "print exactly one JSON object on stdout");
 }
@@ -211,6 +217,8 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
     DemoRunConfig cfg;
     cfg.engine.page_size = o.page_size;
     cfg.engine.threads = o.threads;
+    if (!dtype_from_string(o.kv_dtype.c_str(), &cfg.engine.kv_dtype))
+      throw detail::StoreDemoUsage("unsupported --kv-dtype " + o.kv_dtype);
     cfg.max_tokens = o.max_tokens;
     cfg.stop_token = stop;
     const auto t0 = std::chrono::steady_clock::now();
@@ -282,6 +290,7 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
                       {"store", o.store},
                       {"namespace", cfg.store.ns},
                       {"codec", o.codec},
+                      {"kv_dtype", o.kv_dtype},
                       {"page_size", o.page_size},
                       {"layers", c.n_layers},
                       {"shared_prefix_tokens", w.shared_prefix_tokens},

@@ -36,8 +36,7 @@ class EngineConversationHost final : public conversation::PageHost<float> {
  public:
   explicit EngineConversationHost(Engine& eng) : eng_(&eng) {
     for (int l = 0; l < eng.config().n_layers; ++l)
-      views_.push_back(make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
-                                     eng.strides(), CsrPageTable{kZero, nullptr, nullptr, 0}));
+      views_.push_back(eng.pool_view<float>(l));
   }
   std::int32_t page_size() const override { return eng_->options().page_size; }
   std::int32_t try_allocate() override { return eng_->allocator().try_allocate(); }
@@ -56,7 +55,6 @@ class EngineConversationHost final : public conversation::PageHost<float> {
   const PagedKVView<float>* pool_views() override { return views_.data(); }
 
  private:
-  static constexpr std::int32_t kZero[1] = {0};
   Engine* eng_;
   std::vector<PagedKVView<float>> views_;  // [n_layers]
 };

@@ -261,6 +261,14 @@ class Engine {
   /// naming the dtype unless the pages hold float32.
   float* k_pool(int layer) { return pool_as<float>(k_pools_, layer); }
   float* v_pool(int layer) { return pool_as<float>(v_pools_, layer); }
+  /// Layer `layer`'s storage as a batch-0 view of element type T (page ids are physical;
+  /// for copies, stores and policies that address pages directly). Throws kvkit::Error
+  /// naming the dtype unless T is the pages' type.
+  template <class T>
+  PagedKVView<T> pool_view(int layer) {
+    pool_as<T>(k_pools_, layer);  // checks T and the layer
+    return views_of<T>(pool_views_).at(static_cast<std::size_t>(layer));
+  }
   /// Layer `layer`'s K (V) pool bytes, any dtype [num_pages * page elements * dtype size].
   void* k_pool_bytes(int layer) { return k_pools_.at(static_cast<std::size_t>(layer)).get(); }
   void* v_pool_bytes(int layer) { return v_pools_.at(static_cast<std::size_t>(layer)).get(); }

@@ -616,16 +616,12 @@ class KvchanPolicy : public EnginePolicy {
     KVKIT_CHECK(st.n_old % P == 0, "kvchan: internal: old tokens ", st.n_old, " not page aligned");
     eng.make_exclusive(id);
     ensure_sums(st);
-    static const std::int32_t kZero[1] = {0};
     const std::vector<std::int32_t> pages = eng.pages(id);
     const std::vector<std::int32_t> src(pages.begin(), pages.begin() + shift);
     std::vector<std::int32_t> dst(static_cast<std::size_t>(shift));
     for (std::int32_t& p : dst) p = packed_->allocate();
     pack_pages(st,
-               [&](std::int32_t l) {
-                 return make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l), eng.strides(),
-                                      CsrPageTable{kZero, nullptr, nullptr, 0});
-               },
+               [&](std::int32_t l) { return eng.pool_view<float>(l); },
                src, dst, n_pack);
     st.pages.insert(st.pages.end(), dst.begin(), dst.end());
     st.n_old += n_pack;
@@ -634,8 +630,7 @@ class KvchanPolicy : public EnginePolicy {
     // Window pages down by `shift` (one pair per call: a destination may be a later source).
     const std::int32_t keep = static_cast<std::int32_t>(pages.size()) - shift;
     for (std::int32_t l = 0; l < eng.config().n_layers; ++l) {
-      const PagedKVView<float> pv = make_csr_view(eng.geometry(), eng.k_pool(l), eng.strides(), eng.v_pool(l),
-                                                  eng.strides(), CsrPageTable{kZero, nullptr, nullptr, 0});
+      const PagedKVView<float> pv = eng.pool_view<float>(l);
       for (std::int32_t j = 0; j < keep; ++j) {
         const Status s = copy_pages(eng.model().exec(), pv, &pages[static_cast<std::size_t>(j + shift)],
                                     &pages[static_cast<std::size_t>(j)], 1);

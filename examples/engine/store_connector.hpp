@@ -30,6 +30,10 @@
 // prefix is stored. A policy that rewrites K/V in place without notify_rewrite breaks the
 // host contract, and the connector cannot see it.
 //
+// Pages of any element type (EngineOptions::kv_dtype): blocks are stored in the pages'
+// type (BlockStore<T>, its header names the dtype), so 16-bit pages move half the bytes, and
+// an engine of another dtype reading the same namespace finds a mismatch, that is a miss.
+//
 // Timing (load_ms, save_ms) is wall time of the store calls, for reports.
 
 #include <algorithm>
@@ -91,10 +95,11 @@ class StoreConnector {
     sc.key_style = opt_.key_style;
     sc.encode = opt_.encode;
     sc.blocks_per_batch = opt_.blocks_per_batch;
-    store_ = std::make_unique<store::BlockStore<float>>(backend, sc);
-    for (int l = 0; l < c.n_layers; ++l)
-      pools_.push_back(make_csr_view(eng_.geometry(), eng_.k_pool(l), eng_.strides(), eng_.v_pool(l),
-                                     eng_.strides(), CsrPageTable{kZeroIndptr, nullptr, nullptr, 0}));
+    switch (eng_.kv_dtype()) {
+      case DType::kFloat16: store_ = std::make_unique<Typed<half_t>>(eng_, backend, sc); break;
+      case DType::kBFloat16: store_ = std::make_unique<Typed<bfloat16_t>>(eng_, backend, sc); break;
+      default: store_ = std::make_unique<Typed<float>>(eng_, backend, sc); break;
+    }
     std::shared_ptr<State> st = state_;
     listener_ = eng_.add_page_listener([st](const PageEvent& e) { st->on_event(e); });
     eng_.add_step_hook([st](Engine& eng, const StepInfo&) { st->after_step(eng); });
@@ -106,7 +111,8 @@ class StoreConnector {
   StoreConnector(const StoreConnector&) = delete;
   StoreConnector& operator=(const StoreConnector&) = delete;
 
-  store::BlockStore<float>& block_store() { return *store_; }
+  /// How many leading blocks of `hashes` the store holds complete (BlockStore::match_blocks).
+  std::size_t match_blocks(const BlockHash* hashes, std::size_t n) { return store_->match(hashes, n); }
   std::int32_t page_size() const { return eng_.options().page_size; }
 
   /// Starts a request: matches and loads the longest stored prefix of `prompt` (at most
@@ -123,14 +129,14 @@ class StoreConnector {
     if (opt_.lookup && usable > 0) {
       const auto t0 = std::chrono::steady_clock::now();
       const std::vector<BlockHash> hashes = prefix_block_hashes(prompt.data(), usable * P, P);
-      r.matched_blocks = static_cast<std::int32_t>(store_->match_blocks(hashes.data(), hashes.size()));
+      r.matched_blocks = static_cast<std::int32_t>(store_->match(hashes.data(), hashes.size()));
       for (std::int32_t i = 0; i < r.matched_blocks; ++i) {
         const std::int32_t p = eng_.allocator().try_allocate();
         if (p < 0) break;
         pages.push_back(p);
       }
       if (!pages.empty()) {
-        const store::LoadResult lr = store_->load(hashes.data(), pages.data(), pages.size(), pools_.data());
+        const store::LoadResult lr = store_->load(hashes.data(), pages.data(), pages.size());
         r.loaded_blocks = static_cast<std::int32_t>(lr.blocks_loaded);
         r.load_status = lr.status;
       }
@@ -182,12 +188,11 @@ class StoreConnector {
     const SeqInfo info = state_->seqs[id];
     std::size_t first = static_cast<std::size_t>(std::min(info.loaded_blocks, r.saveable_blocks));
     if (!info.load_failed && first < hashes.size())
-      first += store_->match_blocks(hashes.data() + first, hashes.size() - first);
+      first += store_->match(hashes.data() + first, hashes.size() - first);
     const std::vector<std::int32_t>& pages = eng_.pages(id);
     std::size_t saved = 0;
     if (first < hashes.size())
-      r.status = store_->save(hashes.data() + first, pages.data() + first, hashes.size() - first,
-                              pools_.data(), &saved);
+      r.status = store_->save(hashes.data() + first, pages.data() + first, hashes.size() - first, &saved);
     r.saved_blocks = static_cast<std::int32_t>(saved);
     r.save_ms = ms_since(t0);
     return r;
@@ -241,13 +246,33 @@ class StoreConnector {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
 
-  static constexpr std::int32_t kZeroIndptr[1] = {0};
+  // The BlockStore of the pages' element type and the engine's storage views for it.
+  struct TypedStore {
+    virtual ~TypedStore() = default;
+    virtual std::size_t match(const BlockHash* hashes, std::size_t n) = 0;
+    virtual store::LoadResult load(const BlockHash* hashes, const std::int32_t* pages, std::size_t n) = 0;
+    virtual Status save(const BlockHash* hashes, const std::int32_t* pages, std::size_t n, std::size_t* saved) = 0;
+  };
+  template <class T>
+  struct Typed final : TypedStore {
+    store::BlockStore<T> store;
+    std::vector<PagedKVView<T>> pools;  // [n_layers] storage views (page ids are physical)
+    Typed(Engine& eng, store::BlockBackend& backend, const store::BlockStoreConfig& sc) : store(backend, sc) {
+      for (int l = 0; l < eng.config().n_layers; ++l) pools.push_back(eng.pool_view<T>(l));
+    }
+    std::size_t match(const BlockHash* hashes, std::size_t n) override { return store.match_blocks(hashes, n); }
+    store::LoadResult load(const BlockHash* hashes, const std::int32_t* pages, std::size_t n) override {
+      return store.load(hashes, pages, n, pools.data());
+    }
+    Status save(const BlockHash* hashes, const std::int32_t* pages, std::size_t n, std::size_t* saved) override {
+      return store.save(hashes, pages, n, pools.data(), saved);
+    }
+  };
 
   Engine& eng_;
   StoreConnectorOptions opt_;
   std::shared_ptr<State> state_;
-  std::unique_ptr<store::BlockStore<float>> store_;
-  std::vector<PagedKVView<float>> pools_;  // [n_layers] storage views (page ids are physical)
+  std::unique_ptr<TypedStore> store_;
   int listener_ = -1;
 };
 

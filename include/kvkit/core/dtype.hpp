@@ -28,6 +28,18 @@ inline const char* to_string(DType d) {
   return "unknown";
 }
 
+/// The dtype named by to_string's name ("float32", "float16", "bfloat16"): true and *out
+/// set, or false (unknown name, *out unchanged).
+inline bool dtype_from_string(const char* name, DType* out) {
+  const DType all[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  for (DType d : all)
+    if (name != nullptr && std::strcmp(name, to_string(d)) == 0) {
+      *out = d;
+      return true;
+    }
+  return false;
+}
+
 /// Bytes per element of a dtype.
 inline int dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
