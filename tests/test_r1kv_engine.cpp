@@ -48,21 +48,24 @@ CompressorPolicyOptions options(std::int32_t budget, std::int32_t buffer) {
   return o;
 }
 
-// Dense K and V of one sequence in one layer: [Hkv, kv_len, D].
+// Dense K and V of one sequence in one layer: [Hkv, kv_len, D], in the pages' type T.
+template <class T = float>
 struct Dense {
-  std::vector<float> k, v;
+  std::vector<T> k, v;
   std::int32_t len = 0;
 };
 
-Dense dense(Engine& eng, SeqId id, int layer) {
+template <class T = float>
+Dense<T> dense(Engine& eng, SeqId id, int layer) {
   const std::vector<std::int32_t>& pages = eng.pages(id);
   const std::int32_t len = eng.kv_len(id), ps = eng.options().page_size;
   const std::int32_t indptr[2] = {0, static_cast<std::int32_t>(pages.size())};
   const std::int32_t last = pages.empty() ? 0 : len - (indptr[1] - 1) * ps;
-  const auto v = make_csr_view(eng.geometry(), eng.k_pool(layer), eng.strides(), eng.v_pool(layer),
-                               eng.strides(), CsrPageTable{indptr, pages.data(), &last, 1});
+  const PagedKVView<T> pool = eng.pool_view<T>(layer);
+  const auto v = make_csr_view(eng.geometry(), pool.k_data, eng.strides(), pool.v_data, eng.strides(),
+                               CsrPageTable{indptr, pages.data(), &last, 1});
   const std::size_t n = static_cast<std::size_t>(eng.geometry().num_kv_heads) * len * eng.geometry().head_dim;
-  Dense d;
+  Dense<T> d;
   d.len = len;
   d.k.resize(n);
   d.v.resize(n);
@@ -71,12 +74,12 @@ Dense dense(Engine& eng, SeqId id, int layer) {
 }
 
 // The checker hook: snapshots before the policy's hook, checks after the step returned.
-template <class Scorer>
+template <class Scorer, class T = float>
 struct Checker {
   const CompressorPolicy<Scorer>* policy = nullptr;
   std::int32_t window = 8;
   struct Snap {
-    std::vector<Dense> layers;
+    std::vector<Dense<T>> layers;
     std::vector<std::int32_t> pages;
     std::int32_t position = 0;
     std::deque<std::vector<std::vector<float>>> queries;  // per step: [layer][Hq*D]
@@ -97,7 +100,7 @@ struct Checker {
         s.queries.push_back(std::move(q));
         if (static_cast<std::int32_t>(s.queries.size()) > window) s.queries.pop_front();
         s.layers.clear();
-        for (int l = 0; l < c.n_layers; ++l) s.layers.push_back(dense(e, info.seq_ids[b], l));
+        for (int l = 0; l < c.n_layers; ++l) s.layers.push_back(dense<T>(e, info.seq_ids[b], l));
         s.pages = e.pages(info.seq_ids[b]);
         s.position = e.position(info.seq_ids[b]);
       }
@@ -123,10 +126,10 @@ struct Checker {
       if (id != cid) {  // untouched: same pages, same rows
         CHECK(eng.pages(id) == s.pages);
         for (int l = 0; l < c.n_layers; ++l) {
-          const Dense now = dense(eng, id, l);
+          const Dense<T> now = dense<T>(eng, id, l);
           REQUIRE(now.len == s.layers[l].len);
-          CHECK(std::memcmp(now.k.data(), s.layers[l].k.data(), now.k.size() * 4) == 0);
-          CHECK(std::memcmp(now.v.data(), s.layers[l].v.data(), now.v.size() * 4) == 0);
+          CHECK(std::memcmp(now.k.data(), s.layers[l].k.data(), now.k.size() * sizeof(T)) == 0);
+          CHECK(std::memcmp(now.v.data(), s.layers[l].v.data(), now.v.size() * sizeof(T)) == 0);
         }
         continue;
       }
@@ -142,10 +145,12 @@ struct Checker {
       const std::int32_t lq = static_cast<std::int32_t>(s.queries.size());
       REQUIRE(lq == p.window);
       for (int l = 0; l < c.n_layers; ++l) {
-        std::vector<float> q(static_cast<std::size_t>(c.n_heads) * lq * d);
+        // The policy's window in the pages' type (16-bit pages: rounded to nearest even).
+        std::vector<T> q(static_cast<std::size_t>(c.n_heads) * lq * d);
         for (int r = 0; r < lq; ++r)
           for (int h = 0; h < c.n_heads; ++h)
-            std::memcpy(&q[(static_cast<std::size_t>(h) * lq + r) * d], &s.queries[r][l][h * d], d * 4);
+            for (int i = 0; i < d; ++i)
+              q[(static_cast<std::size_t>(h) * lq + r) * d + i] = from_float<T>(s.queries[r][l][h * d + i]);
         const compressor::Shape sh{hkv, c.n_heads, d, old_len, lq};
         std::vector<unsigned char> ws(comp.workspace_size(exec::Host{}, sh));
         std::vector<std::int32_t> keep(static_cast<std::size_t>(hkv) * p.budget);
@@ -157,15 +162,15 @@ struct Checker {
         const std::int32_t* got = policy->last_keep().data() + static_cast<std::size_t>(l) * hkv * p.budget;
         CHECK(std::equal(keep.begin(), keep.end(), got));
         // Rows: new slot i of head h == old slot keep[h][i], bit for bit.
-        const Dense now = dense(eng, id, l);
+        const Dense<T> now = dense<T>(eng, id, l);
         std::int64_t bad = 0;
         for (int h = 0; h < hkv; ++h)
           for (int i = 0; i < p.budget; ++i) {
             const std::int32_t src = keep[static_cast<std::size_t>(h) * p.budget + i];
             const std::size_t o_new = (static_cast<std::size_t>(h) * now.len + i) * d;
             const std::size_t o_old = (static_cast<std::size_t>(h) * old_len + src) * d;
-            bad += std::memcmp(&now.k[o_new], &s.layers[l].k[o_old], d * 4) != 0;
-            bad += std::memcmp(&now.v[o_new], &s.layers[l].v[o_old], d * 4) != 0;
+            bad += std::memcmp(&now.k[o_new], &s.layers[l].k[o_old], d * sizeof(T)) != 0;
+            bad += std::memcmp(&now.v[o_new], &s.layers[l].v[o_old], d * sizeof(T)) != 0;
           }
         CHECK(bad == 0);
       }
@@ -217,6 +222,35 @@ TEMPLATE_TEST_CASE("compaction keeps exactly the selected rows and frees the pag
   }
 }
 
+TEMPLATE_TEST_CASE("16-bit pages: select on the pages' keys with rounded queries, rows moved bit for bit",
+                   "[r1kv_engine][kv_dtype]", half_t, bfloat16_t) {
+  const auto ck = model();
+  EngineOptions eo;
+  eo.page_size = 16;
+  eo.max_batch = 2;
+  eo.kv_dtype = dtype_of_v<TestType>;
+  Engine eng(ck, eo);
+  CompressorPolicy<compressor::R1KV> pol(options(40, 16));
+  CHECK(pol.supports_kv_dtype(eo.kv_dtype));
+  Checker<compressor::R1KV, TestType> chk;
+  chk.policy = &pol;
+  chk.install(eng);
+  pol.attach(eng);
+  const SeqId a = eng.add_sequence({1, 40, 7});
+  SeqId b = -1;
+  for (int step = 0; step < 100; ++step) {
+    if (step == 5) b = eng.add_sequence({1, 300});
+    eng.step();
+    chk.check(eng);
+  }
+  CHECK(chk.compressions_checked == pol.counters().compressions);
+  CHECK(pol.counters().compressions >= 6);
+  for (SeqId id : {a, b}) CHECK(eng.kv_len(id) < 56);
+  // Half the bytes of the same run on float32 pages: same pages, 2-byte elements.
+  CHECK(eng.kv_bytes_in_use() == eng.pages_in_use() * eng.bytes_per_page() * ck->config().n_layers * 2);
+  CHECK(eng.bytes_per_page() == eng.strides().page * 2);
+}
+
 TEST_CASE("a ragged batch with a compressor policy matches each sequence run alone", "[r1kv_engine]") {
   const auto ck = model();
   const std::vector<std::vector<std::int32_t>> prompts = {{1, 9}, {1, 100, 200, 30, 4}, {1}};
@@ -225,7 +259,7 @@ TEST_CASE("a ragged batch with a compressor policy matches each sequence run alo
   struct Out {
     std::vector<std::int32_t> tokens;
     std::int32_t kv_len;
-    std::vector<Dense> kv;
+    std::vector<Dense<>> kv;
     std::vector<float> logits;
   };
   auto finish = [&](Engine& eng, SeqId id) {
@@ -332,7 +366,7 @@ TEST_CASE("prefilled prompts: compression waits for a full query window; compres
     pol.attach(eng);
     const SeqId id = eng.add_sequence(prompt);
     eng.prefill(id);
-    const Dense before = dense(eng, id, 2);
+    const Dense<> before = dense(eng, id, 2);
     eng.step();
     CHECK(eng.kv_len(id) == 40);
     // S = 100, window 8: sinks 0..3 (score 2), then candidates 91 down to 64 (score j/S,
@@ -341,7 +375,7 @@ TEST_CASE("prefilled prompts: compression waits for a full query window; compres
     for (std::int32_t j = 91; j >= 64; --j) want.push_back(j);
     for (std::int32_t j = 92; j < 100; ++j) want.push_back(j);
     const std::int32_t hkv = eng.config().n_kv_heads, d = eng.config().head_dim();
-    const Dense now = dense(eng, id, 2);
+    const Dense<> now = dense(eng, id, 2);
     for (std::int32_t h = 0; h < hkv; ++h) {
       const std::int32_t* got = pol.last_keep().data() + (static_cast<std::size_t>(2) * hkv + h) * 40;
       CHECK(std::vector<std::int32_t>(got, got + 40) == want);

@@ -40,6 +40,7 @@ class NoPolicy : public engine::EnginePolicy {
   std::string name() const override { return "none"; }
   void attach(engine::Engine&) override {}
   engine::PolicyStats stats() const override { return {}; }
+  bool supports_kv_dtype(DType) const override { return true; }
 };
 
 inline PolicyEntry none_policy_entry() {

@@ -96,6 +96,11 @@ class CompositePolicy : public EnginePolicy, public SequenceStateKeeper {
     }
     return r;
   }
+  bool supports_kv_dtype(DType d) const override {
+    for (const auto& p : parts_)
+      if (!p->supports_kv_dtype(d)) return false;
+    return true;
+  }
 
   /// The state of every part that keeps one (in attach order); empty when none has any.
   std::any save_sequence(SeqId seq) const override {

@@ -257,6 +257,16 @@ class Engine {
   KVStrides strides() const { return strides_; }
   /// Element type of the K/V pages (EngineOptions::kv_dtype).
   DType kv_dtype() const { return opt_.kv_dtype; }
+  /// Calls f(T{}) with T the pages' element type (float, half_t or bfloat16_t), so a host
+  /// of the engine instantiates its typed code once per dtype and runs the one in use.
+  template <class F>
+  auto with_kv_type(F&& f) const -> decltype(f(float{})) {
+    switch (opt_.kv_dtype) {
+      case DType::kFloat16: return f(half_t{});
+      case DType::kBFloat16: return f(bfloat16_t{});
+      default: return f(float{});
+    }
+  }
   /// Layer `layer`'s K (V) pool as floats [num_pages * page elements]; throws kvkit::Error
   /// naming the dtype unless the pages hold float32.
   float* k_pool(int layer) { return pool_as<float>(k_pools_, layer); }
@@ -726,15 +736,6 @@ class Engine {
   using Views = std::vector<PagedKVView<T>>;
   using TypedViews = std::tuple<Views<float>, Views<half_t>, Views<bfloat16_t>>;  // one in use
 
-  // Calls f(T{}) with T the pages' element type.
-  template <class F>
-  auto with_kv_type(F&& f) const -> decltype(f(float{})) {
-    switch (opt_.kv_dtype) {
-      case DType::kFloat16: return f(half_t{});
-      case DType::kBFloat16: return f(bfloat16_t{});
-      default: return f(float{});
-    }
-  }
   template <class T>
   static Views<T>& views_of(TypedViews& v) { return std::get<Views<T>>(v); }
   template <class T>

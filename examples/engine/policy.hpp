@@ -45,6 +45,9 @@ class EnginePolicy {
   virtual PolicyStats stats() const = 0;
   /// What attach() takes over (default: neither), checked before policies are combined.
   virtual PolicyRole role() const { return {}; }
+  /// True when the policy can run on pages of element type `d` (EngineOptions::kv_dtype);
+  /// default float32 only (the policy reads float views).
+  virtual bool supports_kv_dtype(DType d) const { return d == DType::kFloat32; }
 };
 
 }  // namespace engine

@@ -50,6 +50,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/engine.hpp"
@@ -110,19 +111,27 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
     const exec::Host ex = eng.model().exec();
     const compressor::Shape max_shape{hkv_, hq_, dim_, c.seq_len, p.window};
     const KVGeometry g = eng.geometry();
-    const KVStrides st = eng.strides();
     const std::int32_t zero_indptr[2] = {0, 0};
-    const PagedKVView<float> pool_view = make_csr_view(
-        g, eng.k_pool(0), st, eng.v_pool(0), st, CsrPageTable{zero_indptr, nullptr, nullptr, 1});
-    const std::size_t ws = std::max(comp_.workspace_size(ex, max_shape),
-                                    compact_tokens_workspace_size(ex, pool_view, p.budget));
+    const std::size_t nq = static_cast<std::size_t>(hq_) * p.window * dim_;
+    const std::size_t ws = eng.with_kv_type([&](auto tag) {
+      using T = decltype(tag);
+      const PagedKVView<T> pv = eng.pool_view<T>(0);
+      const PagedKVView<T> one = make_csr_view(g, pv.k_data, eng.strides(), pv.v_data, eng.strides(),
+                                               CsrPageTable{zero_indptr, nullptr, nullptr, 1});
+      if constexpr (!std::is_same<T, float>::value) qwin16_.of<T>().assign(nq, T{});
+      return std::max(comp_.workspace_size(ex, max_shape), compact_tokens_workspace_size(ex, one, p.budget));
+    });
     workspace_.assign(ws + kWorkspaceAlign, 0);
     keep_.assign(static_cast<std::size_t>(layers_) * hkv_ * p.budget, 0);
-    qwin_.assign(static_cast<std::size_t>(hq_) * p.window * dim_, 0.f);
+    qwin_.assign(nq, 0.f);
     rewrite_.reserve(static_cast<std::size_t>(p.budget / g.page_size + 2));
     before_.reserve(static_cast<std::size_t>(c.seq_len / g.page_size + 2));
     eng.add_step_hook([this](Engine& e, const StepInfo& info) { on_step(e, info); });
   }
+
+  /// Any page type: select reads the keys in the pages' type (queries rounded to it),
+  /// compaction moves rows bit for bit.
+  bool supports_kv_dtype(DType) const override { return true; }
 
   PolicyStats stats() const override {
     return {{"compressions", static_cast<double>(n_.compressions)},
@@ -241,14 +250,30 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
   }
 
   // A one-sequence CSR view of `id`'s pages in layer l (kv_len tokens).
-  PagedKVView<float> seq_view(Engine& eng, SeqId id, std::int32_t layer) {
+  template <class T>
+  PagedKVView<T> seq_view(Engine& eng, SeqId id, std::int32_t layer) {
     const std::vector<std::int32_t>& pages = eng.pages(id);
     const std::int32_t ps = eng.options().page_size;
     indptr_[0] = 0;
     indptr_[1] = static_cast<std::int32_t>(pages.size());
     last_len_ = eng.kv_len(id) - (indptr_[1] - 1) * ps;
-    return make_csr_view(eng.geometry(), eng.k_pool(layer), eng.strides(), eng.v_pool(layer),
-                         eng.strides(), CsrPageTable{indptr_, pages.data(), &last_len_, 1});
+    const PagedKVView<T> pv = eng.pool_view<T>(layer);
+    return make_csr_view(eng.geometry(), pv.k_data, eng.strides(), pv.v_data, eng.strides(),
+                         CsrPageTable{indptr_, pages.data(), &last_len_, 1});
+  }
+
+  // The window queries in the pages' type T: qwin_ itself, or rounded into qwin16_.
+  template <class T>
+  const T* window_as(std::int32_t lq) {
+    if constexpr (std::is_same<T, float>::value) {
+      (void)lq;
+      return qwin_.data();
+    } else {
+      T* out = qwin16_.of<T>().data();
+      kvkit::detail::cpu::convert(static_cast<const float*>(qwin_.data()), out,
+                                  static_cast<std::size_t>(hq_) * lq * dim_);
+      return out;
+    }
   }
 
   // Queries of layer l, oldest first, as [Hq, Lq, D] in qwin_; returns Lq.
@@ -270,6 +295,11 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
   }
 
   void compress(Engine& eng, SeqId id, SeqState& s) {
+    eng.with_kv_type([&](auto tag) { compress_as<decltype(tag)>(eng, id, s); });
+  }
+
+  template <class T>
+  void compress_as(Engine& eng, SeqId id, SeqState& s) {
     const auto t0 = std::chrono::steady_clock::now();
     const compressor::Params& p = comp_.params();
     const exec::Host ex = eng.model().exec();
@@ -278,11 +308,11 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
     // 1. Kept slots of every layer (reads only: shared pages are fine here).
     std::int32_t first_changed = budget;
     for (std::int32_t l = 0; l < layers_; ++l) {
-      const PagedKVView<float> v = seq_view(eng, id, l);
+      const PagedKVView<T> v = seq_view<T>(eng, id, l);
       const std::int32_t lq = Scorer::kUsesAttention ? window_queries(s, l) : 0;
       std::int32_t nk = 0;
       std::int32_t* keep = keep_.data() + static_cast<std::size_t>(l) * hkv_ * budget;
-      check(comp_.select(ex, v, 0, Scorer::kUsesAttention ? qwin_.data() : nullptr, hq_, lq, keep,
+      check(comp_.select(ex, v, 0, Scorer::kUsesAttention ? window_as<T>(lq) : nullptr, hq_, lq, keep,
                          budget, &nk, ws),
             "select", id);
       if (nk != budget) fail("kvkit: compressor kept ", nk, " slots of sequence ", id, ", expected ", budget);
@@ -304,7 +334,7 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
       n_.pages_copied += owned[i] != before_[i] ? 1 : 0;
     // 3. Compact each layer inside the sequence's own pages.
     for (std::int32_t l = 0; l < layers_; ++l) {
-      const PagedKVView<float> v = seq_view(eng, id, l);
+      const PagedKVView<T> v = seq_view<T>(eng, id, l);
       const std::int32_t* keep = keep_.data() + static_cast<std::size_t>(l) * hkv_ * budget;
       check(compact_tokens(ex, v, keep, &budget, budget, ws), "compaction", id);
     }
@@ -339,6 +369,7 @@ class CompressorPolicy : public EnginePolicy, public SequenceStateKeeper {
   std::vector<unsigned char> workspace_;  // select's and compact_tokens' scratch (used in turn)
   std::vector<std::int32_t> keep_;        // [layers, Hkv, budget] kept slots of the last compression
   std::vector<float> qwin_;               // [Hq, window, D] one layer's window, oldest first
+  Scratch16 qwin16_;                      // qwin_ rounded to 16-bit pages' type, [Hq, window, D]
   std::vector<std::int32_t> rewrite_;     // pages passed to notify_rewrite
   std::vector<std::int32_t> before_;      // the compressed sequence's pages before make_exclusive
   std::int32_t indptr_[2] = {0, 0};
