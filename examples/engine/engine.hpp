@@ -276,7 +276,7 @@ class Engine {
   /// naming the dtype unless T is the pages' type.
   template <class T>
   PagedKVView<T> pool_view(int layer) {
-    pool_as<T>(k_pools_, layer);  // checks T and the layer
+    require_pages<T>("pool_view");
     return views_of<T>(pool_views_).at(static_cast<std::size_t>(layer));
   }
   /// Layer `layer`'s K (V) pool bytes, any dtype [num_pages * page elements * dtype size].
@@ -538,8 +538,7 @@ class Engine {
   /// kvkit::Error (two policies would otherwise silently drop one another); restore the
   /// dense kernel first to swap hooks on purpose.
   void set_attention(AttentionFn fn, AttentionWorkspaceFn workspace_size = {}) {
-    KVKIT_CHECK(!fn || opt_.kv_dtype == DType::kFloat32, "kvkit: set_attention: an attention hook reads "
-                "float32 pages, this engine stores ", to_string(opt_.kv_dtype));
+    if (fn) require_pages<float>("set_attention (an attention hook reads float views)");
     KVKIT_CHECK(!fn || !attention_.run,
                 "kvkit: set_attention: the attention call is already replaced by another hook "
                 "(set_attention({}) restores the dense kernel first)");
@@ -691,7 +690,7 @@ class Engine {
   /// Valid until the next change to the engine.
   /// Float32 pages only (throws kvkit::Error naming the dtype otherwise).
   const std::vector<PagedKVView<float>>& layer_views() {
-    check_float_pages("layer_views()");
+    require_pages<float>("layer_views()");
     if (dirty_) build_views(0);
     return views_of<float>(views_);
   }
@@ -738,16 +737,18 @@ class Engine {
 
   template <class T>
   static Views<T>& views_of(TypedViews& v) { return std::get<Views<T>>(v); }
+  // The one dtype check of every typed access: throws kvkit::Error naming both dtypes
+  // unless the pages hold T.
+  template <class T>
+  void require_pages(const char* what) const {
+    if (dtype_of_v<T> != opt_.kv_dtype)
+      fail("kvkit: ", what, " needs ", to_string(dtype_of_v<T>), " pages, this engine stores ",
+           to_string(opt_.kv_dtype), " (EngineOptions::kv_dtype)");
+  }
   template <class T>
   T* pool_as(std::vector<std::unique_ptr<unsigned char[]>>& pools, int layer) const {
-    if (dtype_of_v<T> != opt_.kv_dtype)
-      fail("kvkit: the K/V pages hold ", to_string(opt_.kv_dtype), ", not ", to_string(dtype_of_v<T>),
-           " (EngineOptions::kv_dtype)");
+    require_pages<T>("the K/V pool");
     return reinterpret_cast<T*>(pools.at(static_cast<std::size_t>(layer)).get());
-  }
-  void check_float_pages(const char* what) const {
-    if (opt_.kv_dtype != DType::kFloat32)
-      fail("kvkit: ", what, " gives float32 views, this engine stores ", to_string(opt_.kv_dtype), " pages");
   }
 
   static constexpr int kMaxReclaimRounds = 4;

@@ -252,8 +252,9 @@ class Prefiller {
 
   // A row as decode_attention sees it with pages of type T: 16-bit pages round the queries
   // and the attention output to T (model.hpp), so prefill does too; float rows unchanged.
+  // Returns an expression (no temporary row): float rows pass through untouched.
   template <class T, class Row>
-  static Eigen::RowVectorXf as_stored(const Row& x) {
+  static auto as_stored(const Row& x) {
     if constexpr (std::is_same<T, float>::value) {
       return x;
     } else {
@@ -345,7 +346,7 @@ class Prefiller {
             const int r = (i - i0) * G + g;
             Eigen::Map<Eigen::RowVectorXf>(att_.data() + static_cast<std::size_t>(i) * tok_stride +
                                                static_cast<std::size_t>(h * G + g) * D, D) =
-                as_stored<T>((t.o.row(r) / t.l(r)).eval());
+                as_stored<T>(t.o.row(r) / t.l(r));
           }
       }
     });
