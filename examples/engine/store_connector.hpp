@@ -95,11 +95,9 @@ class StoreConnector {
     sc.key_style = opt_.key_style;
     sc.encode = opt_.encode;
     sc.blocks_per_batch = opt_.blocks_per_batch;
-    switch (eng_.kv_dtype()) {
-      case DType::kFloat16: store_ = std::make_unique<Typed<half_t>>(eng_, backend, sc); break;
-      case DType::kBFloat16: store_ = std::make_unique<Typed<bfloat16_t>>(eng_, backend, sc); break;
-      default: store_ = std::make_unique<Typed<float>>(eng_, backend, sc); break;
-    }
+    store_ = eng_.with_kv_type([&](auto tag) -> std::unique_ptr<TypedStore> {
+      return std::make_unique<Typed<decltype(tag)>>(eng_, backend, sc);
+    });
     std::shared_ptr<State> st = state_;
     listener_ = eng_.add_page_listener([st](const PageEvent& e) { st->on_event(e); });
     eng_.add_step_hook([st](Engine& eng, const StepInfo&) { st->after_step(eng); });
