@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/checkpoint.hpp"
@@ -90,17 +91,16 @@ void check_against_reference(const test::NamedModel& m, KVLayout layout) {
   double diff = 0, mag = 0;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const std::vector<std::int32_t>& pages = eng.pages(ids[i]);
-    const KVStrides st = eng.strides();
+    const std::int32_t ps = eng.options().page_size;
     for (int l = 0; l < c.n_layers; ++l) {
-      const T* kp = static_cast<const T*>(eng.k_pool_bytes(l));
-      const T* vp = static_cast<const T*>(eng.v_pool_bytes(l));
+      const PagedKVView<T> pool = eng.pool_view<T>(l);
       for (int t = 0; t < steps; ++t)
         for (int h = 0; h < c.n_kv_heads; ++h)
           for (int d = 0; d < c.head_dim(); ++d) {
-            const std::int64_t page = pages[static_cast<std::size_t>(t / eng.options().page_size)];
-            const std::int64_t off = page * st.page + (t % eng.options().page_size) * st.token + h * st.head + d;
+            const std::int64_t slot = static_cast<std::int64_t>(pages[static_cast<std::size_t>(t / ps)]) * ps + t % ps;
             const double rk = rounded[i].key(l, t, h, d), rv = rounded[i].value(l, t, h, d);
-            diff = std::max({diff, std::abs(to_float(kp[off]) - rk), std::abs(to_float(vp[off]) - rv)});
+            diff = std::max({diff, std::abs(to_float(pool.k_slot_ptr(slot, h)[d]) - rk),
+                             std::abs(to_float(pool.v_slot_ptr(slot, h)[d]) - rv)});
             mag = std::max({mag, std::abs(rk), std::abs(rv)});
           }
     }
@@ -137,21 +137,22 @@ TEST_CASE("16-bit K/V pages: half the bytes, exact first-layer rows, copy-on-wri
     e16.step();
     // Layer 0's first rows depend on the embedding alone (RoPE at position 0 is the
     // identity): the 16-bit pool holds exactly the float pool's rows rounded to nearest even.
-    {
-      const std::int64_t n = static_cast<std::int64_t>(c.kv_dim());
-      const std::int64_t off = static_cast<std::int64_t>(e16.pages(b)[0]) * e16.strides().page;
-      const std::int64_t off32 = static_cast<std::int64_t>(f32.pages(a)[0]) * f32.strides().page;
-      const auto* k16 = static_cast<const std::uint16_t*>(e16.k_pool_bytes(0)) + off;
-      const auto* v16 = static_cast<const std::uint16_t*>(e16.v_pool_bytes(0)) + off;
-      std::int64_t same = 0;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float k = f32.k_pool(0)[off32 + i], v = f32.v_pool(0)[off32 + i];
-        const std::uint16_t kb = d == DType::kFloat16 ? from_float<half_t>(k).bits : from_float<bfloat16_t>(k).bits;
-        const std::uint16_t vb = d == DType::kFloat16 ? from_float<half_t>(v).bits : from_float<bfloat16_t>(v).bits;
-        same += (k16[i] == kb && v16[i] == vb) ? 1 : 0;
+    e16.with_kv_type([&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (!std::is_same<T, float>::value) {
+        const PagedKVView<T> p16 = e16.pool_view<T>(0);
+        const PagedKVView<float> p32 = f32.pool_view<float>(0);
+        const std::int64_t s16 = static_cast<std::int64_t>(e16.pages(b)[0]) * e16.options().page_size;  // slot 0
+        const std::int64_t s32 = static_cast<std::int64_t>(f32.pages(a)[0]) * f32.options().page_size;
+        std::int64_t same = 0;
+        for (int h = 0; h < c.n_kv_heads; ++h)
+          for (int i = 0; i < c.head_dim(); ++i)
+            same += (p16.k_slot_ptr(s16, h)[i].bits == from_float<T>(p32.k_slot_ptr(s32, h)[i]).bits &&
+                     p16.v_slot_ptr(s16, h)[i].bits == from_float<T>(p32.v_slot_ptr(s32, h)[i]).bits)
+                        ? 1 : 0;
+        CHECK(same == c.kv_dim());
       }
-      CHECK(same == n);
-    }
+    });
     for (int s = 0; s < 4; ++s) {
       f32.step();
       e16.step();

@@ -279,9 +279,6 @@ class Engine {
     require_pages<T>("pool_view");
     return views_of<T>(pool_views_).at(static_cast<std::size_t>(layer));
   }
-  /// Layer `layer`'s K (V) pool bytes, any dtype [num_pages * page elements * dtype size].
-  void* k_pool_bytes(int layer) { return k_pools_.at(static_cast<std::size_t>(layer)).get(); }
-  void* v_pool_bytes(int layer) { return v_pools_.at(static_cast<std::size_t>(layer)).get(); }
 
   /// Adds a sequence that will be fed `prompt` (teacher-forced) and then decode greedily.
   /// Returns its id (ids increase; batch order is ascending id).
