@@ -76,8 +76,8 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kHugePage = 2 * kMiB;
 
 // Bytes one decode kind (dense / kvkit-contiguous / paged) cycles through before reusing a
-// layer: 4x the 32 MiB LLC, so each layer is read from DRAM.
-std::size_t decode_rotation_bytes() { return g_small ? 0 : 128 * kMiB; }
+// layer: 128 MiB and at least twice the last-level cache, so each layer is read from DRAM.
+std::size_t decode_rotation_bytes() { return g_small ? 0 : kvkit::bench::dram_rotation_bytes(128 * kMiB); }
 // K+V bytes each data-movement call moves (read + written: twice that touched).
 std::size_t moved_bytes() { return g_small ? 2 * kMiB : 128 * kMiB; }
 // Tokens per sequence in the data-movement pool.
