@@ -76,6 +76,64 @@ TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][
   }
 }
 
+TEST_CASE("eps engine on 16-bit pages: every page read is the dense engine bit for bit, skips stay certified",
+          "[eps][engine][kv_dtype]") {
+  for (const test::NamedModel& nm : test::synthetic_and_stories()) {
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+        CAPTURE(nm.name, to_string(dtype), to_string(layout));
+        EngineOptions o;
+        o.kv_dtype = dtype;
+        o.layout = layout;
+        o.page_size = 8;
+        o.max_batch = 2;
+        sketch::SketchParams all, pruning;
+        all.strict = pruning.strict = true;
+        all.eps = 1e-30;  // a page is skipped only below e^-69 of the mass seen: none here
+        pruning.eps = 1e-2;
+        pruning.score_fraction = 1;  // the plain ε rule, so that pages are skipped
+        pruning.group_pages = 2;
+        Engine full(nm.ckpt, o), every(nm.ckpt, o), pruned(nm.ckpt, o);
+        EpsPolicy pol_all(all), pol_pruned(pruning);
+        REQUIRE(pol_all.supports_kv_dtype(dtype));
+        pol_all.attach(every);
+        pol_pruned.attach(pruned);
+        for (Engine* e : {&full, &every, &pruned}) {
+          e->add_sequence({1, 200, 300, 40, 55});
+          e->add_sequence({1, 7});
+        }
+        const int steps = std::min(120, nm.ckpt->config().seq_len - 2);
+        double worst_all = 0, worst_pruned = 0;
+        for (int s = 0; s < steps; ++s) {
+          full.step();
+          every.step();
+          pruned.step();
+          for (SeqId id : full.sequences()) {
+            worst_all = std::max(worst_all, max_abs_diff(full.last_logits(id), every.last_logits(id)));
+            worst_pruned = std::max(worst_pruned, max_abs_diff(full.last_logits(id), pruned.last_logits(id)));
+          }
+        }
+        const sketch::SketchTelemetry& a = pol_all.telemetry();
+        const sketch::SketchTelemetry& b = pol_pruned.telemetry();
+        INFO("every: " << a.pages_visited << " of " << a.pages_total << " pages; pruned: " << b.pages_visited
+                       << " of " << b.pages_total << ", max logit diff " << worst_pruned);
+        // Reading every page, the page-subset kernel on the pages' own type is the dense path.
+        REQUIRE(a.pages_total > 0);
+        REQUIRE(a.pages_visited == a.pages_total);
+        REQUIRE(worst_all == 0.0);
+        for (SeqId id : full.sequences()) REQUIRE(full.tokens(id) == every.tokens(id));
+        // Skipping: certified on the stored (rounded) keys, so the answer holds.
+        for (SeqId id : full.sequences()) REQUIRE(full.tokens(id) == pruned.tokens(id));
+        REQUIRE(b.certified_omitted_max <= pruning.eps * (1 + 1e-9));
+        REQUIRE(worst_pruned < 0.05);
+        if (nm.name == "stories260K") REQUIRE(b.pages_visited < b.pages_total);
+        REQUIRE(pruned.pool_bytes("eps_summaries") == pol_pruned.store()->memory_bytes());
+        REQUIRE(pruned.kv_bytes_in_use() == pruned.pages_bytes(pruned.pages_in_use()) + pol_pruned.store()->memory_bytes());
+      }
+    }
+  }
+}
+
 TEST_CASE("eps engine: the default scoring cap reads fewer keys and a superset of the plain rule's pages",
           "[eps][engine]") {
   for (const test::NamedModel& nm : test::synthetic_and_stories()) {

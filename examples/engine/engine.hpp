@@ -57,10 +57,13 @@
 //    registers its byte counter with register_pool(); kv_bytes_in_use() / kv_bytes_peak()
 //    include it.
 //  - Element type: the pages hold EngineOptions::kv_dtype. Hooks and policies that read
-//    or write pages get float views (StepInfo::layer_views, AttentionCall, k_pool(),
-//    layer_views()), so they need float32 pages: with 16-bit pages set_attention and
-//    k_pool() / v_pool() / layer_views() throw naming the dtype, and StepInfo::layer_views
-//    is null. Page events, reclaim and registered pools work with any dtype.
+//    or write pages through float views (StepInfo::layer_views, set_attention's
+//    AttentionCall, k_pool(), layer_views()) need float32 pages: with 16-bit pages
+//    set_attention and k_pool() / v_pool() / layer_views() throw naming the dtype, and
+//    StepInfo::layer_views is null. set_typed_attention installs a hook for every page type
+//    (AttentionCallT<T>: the pages' view, q and out rounded to T as the dense kernel gets
+//    them), pool_view<T> reads typed pages. Page events, reclaim and registered pools work
+//    with any dtype.
 //  - Pool size: the pools are allocated up front; a size above max_pool_bytes (default:
 //    physical memory) throws PoolTooLargeError naming the value and the bytes needed.
 
@@ -536,10 +539,23 @@ class Engine {
   /// dense kernel first to swap hooks on purpose.
   void set_attention(AttentionFn fn, AttentionWorkspaceFn workspace_size = {}) {
     if (fn) require_pages<float>("set_attention (an attention hook reads float views)");
-    KVKIT_CHECK(!fn || !attention_.run,
-                "kvkit: set_attention: the attention call is already replaced by another hook "
-                "(set_attention({}) restores the dense kernel first)");
+    check_attention_slot(static_cast<bool>(fn));
+    attention_ = AttentionHook{};
     attention_.run = std::move(fn);
+    attention_.workspace_size = std::move(workspace_size);
+  }
+  /// set_attention for pages of any element type: `fn` is a generic callable taking
+  /// `const AttentionCallT<T>&` for T = float, half_t and bfloat16_t; each step calls it
+  /// with the pages' type (kv_dtype). `workspace_size` is asked for float32 pages only: a
+  /// hook on 16-bit pages gets the dense kernel's workspace. Same single slot as
+  /// set_attention.
+  template <class F>
+  void set_typed_attention(F fn, AttentionWorkspaceFn workspace_size = {}) {
+    check_attention_slot(true);
+    attention_ = AttentionHook{};
+    attention_.run = fn;
+    attention_.run_f16 = fn;
+    attention_.run_bf16 = std::move(fn);
     attention_.workspace_size = std::move(workspace_size);
   }
   /// Registers a page listener; returns a handle for remove_page_listener.
@@ -741,6 +757,12 @@ class Engine {
     if (dtype_of_v<T> != opt_.kv_dtype)
       fail("kvkit: ", what, " needs ", to_string(dtype_of_v<T>), " pages, this engine stores ",
            to_string(opt_.kv_dtype), " (EngineOptions::kv_dtype)");
+  }
+  // The attention call is one slot: installing into an occupied one throws.
+  void check_attention_slot(bool installing) const {
+    KVKIT_CHECK(!installing || !attention_.installed(),
+                "kvkit: set_attention: the attention call is already replaced by another hook "
+                "(set_attention({}) restores the dense kernel first)");
   }
   template <class T>
   T* pool_as(std::vector<std::unique_ptr<unsigned char[]>>& pools, int layer) const {

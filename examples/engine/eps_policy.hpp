@@ -10,6 +10,10 @@
 //    that changed, are read once), run the pre-pass and call the page-subset variant of
 //    paged_decode_attention on the chosen pages;
 //  - a registered pool "eps_summaries" (summary bytes count as KV memory).
+// Pages of any element type (float32, float16, bfloat16: set_typed_attention): summaries
+// are kept in float from the pages' keys widened exactly, so a bound certified on a page's
+// stored keys holds for what the kernel reads; the selector scores the queries as the
+// kernel gets them (rounded to the pages' type).
 // The hook never allocates: the selector's buffers are sized for max_batch sequences of
 // seq_len tokens at attach(). A step that fails after some layers ran leaves those layers'
 // newest token summarised; the engine retries the same token at the same slot (same K),
@@ -39,6 +43,8 @@ class EpsPolicy : public EnginePolicy {
   std::string name() const override { return name_; }
   /// Replaces the attention call (page-subset attention); moves no token.
   PolicyRole role() const override { return {true, false}; }
+  /// Summaries and selection read the pages' own type (every engine page type).
+  bool supports_kv_dtype(DType) const override { return true; }
 
   void attach(Engine& eng) override {
     KVKIT_CHECK(store_ == nullptr, "kvkit: eps policy is already attached to an engine");
@@ -56,7 +62,7 @@ class EpsPolicy : public EnginePolicy {
     });
     // The page-subset variant needs the dense kernel's workspace, which the engine always
     // provides, so no extra workspace function.
-    eng.set_attention([this](const AttentionCall& call) { return run(call); });
+    eng.set_typed_attention([this](const auto& call) { return run(call); });
     eng.register_pool("eps_summaries", [st] { return st->memory_bytes(); },
                       [this] { return peak_bytes_; });
   }
@@ -82,7 +88,8 @@ class EpsPolicy : public EnginePolicy {
   const sketch::SketchStore* store() const { return store_.get(); }
 
  private:
-  Status run(const AttentionCall& call) {
+  template <class T>
+  Status run(const AttentionCallT<T>& call) {
     const std::int64_t rebuilt = store_->sync(call.layer, call.view);
     sketch::SketchTelemetry t;
     KVKIT_RETURN_IF_ERROR(sel_->select(call.layer, call.view, call.q, call.params.num_qo_heads,

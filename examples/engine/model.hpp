@@ -49,34 +49,55 @@ struct ForwardBatch {
   const std::int32_t* seq_ids = nullptr;    // [batch] caller's sequence id of each row (or null)
 };
 
-/// One layer's attention call handed to an AttentionFn. Row b of the view, q and out is
+/// One layer's attention call handed to an attention hook, for pages of element type T
+/// (float, half_t or bfloat16_t: EngineOptions::kv_dtype). Row b of the view, q and out is
 /// the caller's sequence seq_ids[b] (never assume rows are sorted by id). The view already
-/// holds this step's K/V. `workspace` is caller-owned scratch of at least the hook's
-/// AttentionWorkspaceFn bytes and of what paged_decode_attention needs for this view, so a
-/// hook may fall back to the dense kernel; it is valid during the call only.
-struct AttentionCall {
+/// holds this step's K/V. With 16-bit pages q holds the queries rounded to T and out is
+/// widened back to float after the call, exactly as the dense path does (decode_attention
+/// below), so a hook that calls paged_decode_attention on its pages reproduces it bit for
+/// bit. `workspace` is caller-owned scratch of at least the hook's AttentionWorkspaceFn
+/// bytes (float pages) and of what paged_decode_attention needs for this view, so a hook
+/// may fall back to the dense kernel; it is valid during the call only.
+template <class T>
+struct AttentionCallT {
   int layer = 0;
-  PagedKVView<float> view;                 // this layer's K/V, batch rows as in seq_ids
+  PagedKVView<T> view;                     // this layer's K/V, batch rows as in seq_ids
   const std::int32_t* seq_ids = nullptr;   // [batch] sequence id of each row
-  const float* q = nullptr;                // [batch, Hq, D] post-RoPE queries
-  float* out = nullptr;                    // [batch, Hq, D] attention output to write
+  const T* q = nullptr;                    // [batch, Hq, D] post-RoPE queries
+  T* out = nullptr;                        // [batch, Hq, D] attention output to write
   DecodeAttentionParams params;            // query heads and softmax scale of the model
   exec::Host exec;                         // the engine's host executor settings
   Workspace workspace;                     // scratch, see above
 };
+/// The attention call of float32 pages (the only one most hooks need).
+using AttentionCall = AttentionCallT<float>;
 
 /// Replaces the dense paged attention of one layer (a page-subset or packed-channel
 /// attention, for example). Returns a failed Status to fail the whole step: the Engine then
 /// leaves every sequence exactly as it was before the step.
-using AttentionFn = std::function<Status(const AttentionCall& call)>;
+template <class T>
+using AttentionFnT = std::function<Status(const AttentionCallT<T>& call)>;
+using AttentionFn = AttentionFnT<float>;
 
 /// Workspace bytes an AttentionFn needs for `view` (sized before the call, never inside).
 using AttentionWorkspaceFn = std::function<std::size_t(int layer, const PagedKVView<float>& view)>;
 
-/// An attention replacement and its workspace requirement (an empty `run`: dense attention).
+/// An attention replacement and its workspace requirement, one function per page type
+/// (an empty one: that page type is not supported; all empty: dense attention).
 struct AttentionHook {
-  AttentionFn run;
-  AttentionWorkspaceFn workspace_size;  // empty: no scratch beyond the dense kernel's
+  AttentionFn run;                      // float32 pages
+  AttentionFnT<half_t> run_f16;         // float16 pages
+  AttentionFnT<bfloat16_t> run_bf16;    // bfloat16 pages
+  AttentionWorkspaceFn workspace_size;  // float32 pages; empty: no scratch beyond the dense kernel's
+  /// True when any page type is hooked.
+  bool installed() const { return run || run_f16 || run_bf16; }
+  /// The function for pages of type T.
+  template <class T>
+  const AttentionFnT<T>& fn() const {
+    if constexpr (std::is_same<T, float>::value) return run;
+    else if constexpr (std::is_same<T, half_t>::value) return run_f16;
+    else return run_bf16;
+  }
 };
 
 /// Query / output scratch of decode_attention for 16-bit pages (grows once).
@@ -90,29 +111,53 @@ struct Scratch16 {
   }
 };
 
-/// paged_decode_attention with float queries and output whatever the pages' type T: the
-/// kernel takes q and out in T, so 16-bit pages get the queries rounded to T (nearest
+/// Runs f(q_T, out_T) on float queries and output whatever the pages' type T: the
+/// kernels take q and out in T, so 16-bit pages get the queries rounded to T (nearest
 /// even, as llama.cpp rounds them for its f16 K products) and the output widened back
 /// exactly. n = batch * Hq * D, the elements of q and of out.
+template <class T, class F>
+Status with_kv_typed_rows(const float* q /* [n] */, float* out /* [n] */, std::int64_t n, Scratch16& scratch,
+                          F&& f) {
+  if constexpr (std::is_same<T, float>::value) {
+    (void)n;
+    (void)scratch;
+    return f(q, out);
+  } else {
+    const std::size_t N = static_cast<std::size_t>(n);
+    std::vector<T>& buf = scratch.template of<T>();
+    if (buf.size() < 2 * N) buf.resize(2 * N);  // grows to the largest batch once
+    T* q16 = buf.data();
+    T* o16 = q16 + N;
+    kvkit::detail::cpu::convert(q, q16, N);
+    KVKIT_RETURN_IF_ERROR(f(static_cast<const T*>(q16), o16));
+    kvkit::detail::cpu::convert(static_cast<const T*>(o16), out, N);
+    return Status::ok();
+  }
+}
+
+/// paged_decode_attention with float queries and output (with_kv_typed_rows).
 template <class T>
 Status decode_attention(exec::Host ex, const PagedKVView<T>& view, const float* q /* [n] */,
                         float* out /* [n] */, std::int64_t n, const DecodeAttentionParams& ap, Workspace ws,
                         Scratch16& scratch) {
-  if constexpr (std::is_same<T, float>::value) {
-    (void)n;
-    (void)scratch;
-    return paged_decode_attention(ex, view, q, out, ap, ws);
-  } else {
-    const std::size_t N = static_cast<std::size_t>(n);
-    std::vector<T>& buf = scratch.template of<T>();
-    if (buf.size() < 2 * N) buf.resize(2 * N);
-    T* q16 = buf.data();
-    T* o16 = q16 + N;
-    kvkit::detail::cpu::convert(q, q16, N);
-    KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, view, static_cast<const T*>(q16), o16, ap, ws));
-    kvkit::detail::cpu::convert(static_cast<const T*>(o16), out, N);
-    return Status::ok();
-  }
+  return with_kv_typed_rows<T>(q, out, n, scratch, [&](const T* qt, T* ot) {
+    return paged_decode_attention(ex, view, qt, ot, ap, ws);
+  });
+}
+
+/// The hook's function for T-pages on float queries and output (with_kv_typed_rows); a
+/// hook without one for T fails the step naming the dtype.
+template <class T>
+Status hooked_attention(const AttentionHook& hook, AttentionCallT<T> call, const float* q /* [n] */,
+                        float* out /* [n] */, std::int64_t n, Scratch16& scratch) {
+  const AttentionFnT<T>& fn = hook.template fn<T>();
+  KVKIT_CHECK_STATUS(static_cast<bool>(fn), StatusCode::kInvalidArgument,
+                     "the installed attention hook does not take ", to_string(dtype_of_v<T>), " K/V pages");
+  return with_kv_typed_rows<T>(q, out, n, scratch, [&](const T* qt, T* ot) {
+    call.q = qt;
+    call.out = ot;
+    return fn(call);
+  });
 }
 
 class Model {
@@ -176,8 +221,8 @@ class Model {
   /// a page table whose sequence b already counts the new token (its slot is in.slots[b]).
   /// Writes logits [batch, vocab]; `attention`, when set, replaces the dense attention.
   /// T is the element type of the K/V pages (float, half_t, bfloat16_t): write_kv rounds
-  /// the new float K/V rows into it and the decode kernel reads it. An attention hook
-  /// gets float views (AttentionCall), so with 16-bit pages it is refused (kInvalidArgument).
+  /// the new float K/V rows into it and the decode kernel reads it. An attention hook runs
+  /// its function for T (AttentionHook::fn); one without it fails the step (kInvalidArgument).
   /// Returns the first failing kernel's (or hook's) Status.
   template <class T>
   Status forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_layers] */,
@@ -236,27 +281,20 @@ class Model {
       KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), in.slots, B,
                                      static_cast<std::int64_t>(kv)));
       std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
-      const bool hooked = attention != nullptr && attention->run;
+      const bool hooked = attention != nullptr && attention->installed();
       if constexpr (std::is_same<T, float>::value)
         if (hooked && attention->workspace_size) need = std::max(need, attention->workspace_size(l, view));
       if (ws_.size() < need) ws_.resize(need);  // grows to the largest batch once
       const Workspace ws{ws_.data(), ws_.size()};
       if (hooked) {
-        if constexpr (std::is_same<T, float>::value) {
-          AttentionCall call;
-          call.layer = l;
-          call.view = view;
-          call.seq_ids = in.seq_ids;
-          call.q = q.data();
-          call.out = att.data();
-          call.params = ap;
-          call.exec = ex;
-          call.workspace = ws;
-          KVKIT_RETURN_IF_ERROR(attention->run(call));
-        } else {
-          return make_status(StatusCode::kInvalidArgument, "an attention hook needs float32 K/V pages, got ",
-                             to_string(dtype_of_v<T>));
-        }
+        AttentionCallT<T> call;
+        call.layer = l;
+        call.view = view;
+        call.seq_ids = in.seq_ids;
+        call.params = ap;
+        call.exec = ex;
+        call.workspace = ws;
+        KVKIT_RETURN_IF_ERROR(hooked_attention(*attention, call, q.data(), att.data(), B * dim, q16_));
       } else {
         KVKIT_RETURN_IF_ERROR(decode_attention(ex, view, q.data(), att.data(), B * dim, ap, ws, q16_));
       }
