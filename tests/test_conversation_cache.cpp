@@ -434,6 +434,75 @@ TEST_CASE("spill to the in-memory BlockStore and restore on resume", "[conversat
   CHECK(eng.pages_in_use() == 0);
 }
 
+TEMPLATE_TEST_CASE("16-bit pages: resumed and spilled turns decode what recomputing decodes, bit for bit",
+                   "[conversation][kv_dtype]", half_t, bfloat16_t) {
+  using T = TestType;
+  KVKIT_TEST_RNG(rng);
+  std::string name;
+  auto ck = kvkit::test::stories_or_synthetic(&name);
+  INFO(name << ", " << to_string(dtype_of_v<T>) << " pages");
+  const std::int32_t vocab = ck->config().vocab_size;
+  EngineOptions o = small_options(8, 128);
+  o.kv_dtype = dtype_of_v<T>;
+  Engine eng(ck, o);
+  // A float host on 16-bit pages is refused naming both types.
+  try {
+    EngineConversationHost wrong(eng);
+    FAIL("a float32 host was built over " << to_string(dtype_of_v<T>) << " pages");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find(to_string(dtype_of_v<T>)) != std::string::npos);
+  }
+  EngineConversationHostT<T> host(eng);
+  store::MemoryBackend backend(64 << 20);
+  store::BlockStoreConfig sc;
+  sc.ns = store::make_namespace(name, "conversation-test-16");
+  sc.num_layers = ck->config().n_layers;
+  sc.page_size = 8;
+  sc.num_kv_heads = ck->config().n_kv_heads;
+  sc.head_dim = ck->config().head_dim();
+  store::BlockStore<T> bs(backend, sc);
+  Params p;
+  p.spill = true;
+  ConversationCache<T> cache(host, p, {}, &bs);
+  eng.set_reclaim([&](std::int32_t n) { return cache.reclaim(n); });
+
+  std::vector<std::int32_t> prompt{kBosToken};
+  const auto u1 = random_tokens(12, vocab, rng);
+  prompt.insert(prompt.end(), u1.begin(), u1.end());
+  SeqId s = start_turn(eng, cache, "c", prompt);
+  decode_turn(eng, s, 6, false);  // 19 tokens: 3 pages
+  std::vector<std::int32_t> history = eng.tokens(s);
+  finish_turn(eng, cache, "c", s);
+  for (bool spill : {false, true}) {
+    INFO("spill " << spill);
+    if (spill) {
+      const std::int32_t held = cache.held_pages();
+      REQUIRE(held >= 3);
+      CHECK(cache.evict("c") == held);
+      CHECK(cache.state("c") == State::kSpilled);
+      CHECK(eng.pages_in_use() == 0);
+    }
+    const auto u = random_tokens(5, vocab, rng);
+    prompt = history;
+    prompt.insert(prompt.end(), u.begin(), u.end());
+    Resume r;
+    s = start_turn(eng, cache, "c", prompt, &r);
+    CHECK(r.cached_len == static_cast<std::int32_t>(history.size()) - 1);
+    if (spill) CHECK(r.restored_tokens == r.cached_len);
+    check_invariants(eng, cache);
+    const TurnOut got = decode_turn(eng, s, 4, false);
+    // Token by token from scratch on pages of the same type: the same arithmetic.
+    const TurnOut ref = recompute(ck, o, prompt, 4, false);
+    REQUIRE(got.tokens == ref.tokens);
+    for (std::size_t i = 0; i < got.logits.size(); ++i) CHECK(got.logits[i] == ref.logits[i]);
+    history = eng.tokens(s);
+    finish_turn(eng, cache, "c", s);
+  }
+  CHECK(cache.metrics().restores == 1);
+  cache.end("c");
+  CHECK(eng.pages_in_use() == 0);
+}
+
 TEST_CASE("randomized lifecycles keep every page's refcount equal to its holders", "[conversation]") {
   KVKIT_TEST_RNG(rng);
   auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());

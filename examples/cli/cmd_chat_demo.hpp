@@ -96,6 +96,7 @@ struct Options {
   bool json = false;
   std::int32_t r1kv_budget = 0;   // > 0: also run conversation_cache_r1kv
   std::int32_t r1kv_buffer = 16;
+  std::string kv_dtype = "float32";  // element type of the pages (and of spilled blocks)
 };
 
 /// The workload: per conversation, per turn, the tokens a turn appends (GGUF turns after the
@@ -205,9 +206,9 @@ inline std::int32_t pages_for(std::int64_t tokens, std::int32_t ps) {
   return static_cast<std::int32_t>((tokens + ps - 1) / ps);
 }
 
-inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engine::Checkpoint> ck,
-                         const Options& o, std::int32_t num_pages, store::BlockBackend* backend,
-                         const std::string& ns) {
+template <class T>
+WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engine::Checkpoint> ck, const Options& o,
+                  std::int32_t num_pages, store::BlockBackend* backend, const std::string& ns) {
   WayResult res;
   res.name = way_name(way);
   EngineOptions eo;
@@ -215,14 +216,15 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
   eo.num_pages = num_pages;
   eo.max_batch = 1;
   eo.threads = o.threads;
+  eo.kv_dtype = dtype_of_v<T>;
   // Every way must produce no_cache's tokens exactly: reused pages were written by decode
   // steps or by earlier prefills split elsewhere, so prefill attends as decode does.
   eo.prefill_decode_attention = true;
   Engine eng(ck, eo);
   const auto& cfg = eng.config();
-  engine::EngineConversationHost host(eng);
-  std::unique_ptr<store::BlockStore<float>> bs;
-  std::unique_ptr<conversation::ConversationCache<float>> cache;
+  std::unique_ptr<engine::EngineConversationHostT<T>> host;
+  std::unique_ptr<store::BlockStore<T>> bs;
+  std::unique_ptr<conversation::ConversationCache<T>> cache;
   std::unique_ptr<engine::PrefixLruCache> plru;
   std::unique_ptr<engine::R1KVPolicy> r1kv;
   if (way == Way::kConversationR1kv) {
@@ -240,10 +242,11 @@ inline WayResult run_way(Way way, const Workload& wl, std::shared_ptr<const engi
       sc.page_size = o.page_size;
       sc.num_kv_heads = cfg.n_kv_heads;
       sc.head_dim = cfg.head_dim();
-      bs = std::make_unique<store::BlockStore<float>>(*backend, sc);
+      bs = std::make_unique<store::BlockStore<T>>(*backend, sc);
       p.spill = true;
     }
-    cache = std::make_unique<conversation::ConversationCache<float>>(host, p, conversation::Clock{}, bs.get());
+    host = std::make_unique<engine::EngineConversationHostT<T>>(eng);
+    cache = std::make_unique<conversation::ConversationCache<T>>(*host, p, conversation::Clock{}, bs.get());
     eng.set_reclaim([&](std::int32_t n) { return cache->reclaim(n); });
   } else if (way == Way::kPrefixLru) {
     plru = std::make_unique<engine::PrefixLruCache>(eng.allocator(), o.page_size);
@@ -399,7 +402,20 @@ inline std::unique_ptr<store::BlockBackend> make_backend(const std::string& spec
   throw UsageError("--store must be memory or redis://..., got '" + spec + "'");
 }
 
+/// run_way on pages of the --kv-dtype type.
+inline WayResult run_way_typed(DType dtype, Way way, const Workload& wl, std::shared_ptr<const engine::Checkpoint> ck,
+                               const Options& o, std::int32_t num_pages, store::BlockBackend* backend,
+                               const std::string& ns) {
+  switch (dtype) {
+    case DType::kFloat16: return run_way<half_t>(way, wl, std::move(ck), o, num_pages, backend, ns);
+    case DType::kBFloat16: return run_way<bfloat16_t>(way, wl, std::move(ck), o, num_pages, backend, ns);
+    default: return run_way<float>(way, wl, std::move(ck), o, num_pages, backend, ns);
+  }
+}
+
 inline int run(const Options& o) {
+  DType dtype = DType::kFloat32;
+  if (!dtype_from_string(o.kv_dtype.c_str(), &dtype)) throw UsageError("unsupported --kv-dtype " + o.kv_dtype);
   std::shared_ptr<const engine::Checkpoint> ck;
   std::string model_name;
   const Workload wl = make_workload(o, o.model, &ck, &model_name);
@@ -413,7 +429,9 @@ inline int run(const Options& o) {
   }
   const std::int32_t one = pages_for(std::min<std::int64_t>(longest, cfg.seq_len), o.page_size) + 1;
   auto backend = make_backend(o.store);
-  const std::string ns = store::make_namespace(model_name, "chat-demo-" + std::to_string(o.page_size));
+  // The dtype is in the namespace too: blocks of another page type are never looked up.
+  const std::string ns = store::make_namespace(
+      model_name, "chat-demo-" + std::to_string(o.page_size) + (dtype == DType::kFloat32 ? "" : "-" + o.kv_dtype));
 
   if (o.r1kv_budget > 0) {  // the policy's own checks, as a usage error
     try {
@@ -427,7 +445,7 @@ inline int run(const Options& o) {
   }
   std::vector<WayResult> results;
   results.reserve(5);  // `base` refers into it
-  results.push_back(run_way(Way::kNoCache, wl, ck, o, one, nullptr, ns));
+  results.push_back(run_way_typed(dtype, Way::kNoCache, wl, ck, o, one, nullptr, ns));
   const WayResult& base = results[0];
   std::int32_t budget = o.page_budget;
   if (budget == 0)
@@ -436,8 +454,8 @@ inline int run(const Options& o) {
     throw UsageError("--page-budget " + std::to_string(budget) + " is below one conversation: the longest needs " +
                      std::to_string(base.max_pages) + " pages of " + std::to_string(o.page_size) + " tokens");
   for (Way w : {Way::kPrefixLru, Way::kConversation, Way::kConversationSpill})
-    results.push_back(run_way(w, wl, ck, o, budget, backend.get(), ns));
-  if (o.r1kv_budget > 0) results.push_back(run_way(Way::kConversationR1kv, wl, ck, o, budget, backend.get(), ns));
+    results.push_back(run_way_typed(dtype, w, wl, ck, o, budget, backend.get(), ns));
+  if (o.r1kv_budget > 0) results.push_back(run_way_typed(dtype, Way::kConversationR1kv, wl, ck, o, budget, backend.get(), ns));
 
   bool match = true;
   for (const WayResult& r : results) {
@@ -473,6 +491,7 @@ inline int run(const Options& o) {
         j[r.name]["compressed_evictions"] = r.metrics.compressed_evictions;
       }
     }
+    j["kv_dtype"] = o.kv_dtype;
     j["outputs_match"] = match;
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -480,7 +499,7 @@ inline int run(const Options& o) {
   std::cout << "kvkit chat-demo: " << model_name << ", " << o.conversations << " conversations x " << o.turns
             << " turns (Zipf s=" << o.zipf << ", seed " << o.seed << "), replies <= " << wl.reply
             << " tokens, page size " << o.page_size << ", page budget " << budget << " pages (total history "
-            << base.total_pages << " pages), store " << o.store << ", eviction " << o.evict
+            << base.total_pages << " pages), " << o.kv_dtype << " pages, store " << o.store << ", eviction " << o.evict
             << (o.no_share ? ", no prefix sharing" : ", prefix sharing") << "\n";
   std::cout << "  #  conv turn prompt |";
   for (const WayResult& r : results) std::cout << " " << std::setw(24) << r.name << " |";
@@ -562,6 +581,9 @@ inline int run_chat_demo(int argc, char** argv) {
       ->type_name("B")->check(CLI::Range(1, 1 << 30));
   CLI::Option* buffer_opt = app.add_option("--buffer", o.r1kv_buffer, "R1KV buffer: compress when a sequence caches budget + U tokens (default 16)")
       ->type_name("U")->check(CLI::Range(0, 1 << 30));
+  app.add_option("--kv-dtype", o.kv_dtype,
+                 "element type of the K/V pages and of spilled blocks: float32 (default), float16, bfloat16")
+      ->type_name("DTYPE");
   app.add_flag("--json", o.json, "print one JSON object");
   if (const int rc = parse_subcommand(app, argc, argv, fail); rc != kParsed) return rc;
   if (buffer_opt->count() > 0 && o.r1kv_budget == 0) return fail(2, "--buffer needs --budget");

@@ -4,9 +4,9 @@
 // AllocatorPageHost over a bare BlockAllocator (benchmarks and tests on synthetic pages),
 // and start_turn / finish_turn run one chat turn's request through the cache.
 //
-// Typical turn loop:
-//   EngineConversationHost host(eng);
-//   ConversationCache<float> cache(host, params);
+// Typical turn loop (T: the engine's page type, EngineOptions::kv_dtype; float by default):
+//   EngineConversationHostT<T> host(eng);
+//   ConversationCache<T> cache(host, params);
 //   eng.set_reclaim([&](std::int32_t n) { return cache.reclaim(n); });
 //   SeqId s = start_turn(eng, cache, "c1", prompt);    // create or resume
 //   eng.prefill(s); ... eng.step() ...                   // the turn
@@ -30,13 +30,15 @@
 namespace kvkit {
 namespace engine {
 
-/// PageHost over an Engine: pages of its allocator, copies of all layers' K and V, and
-/// per-layer pool views for a BlockStore.
-class EngineConversationHost final : public conversation::PageHost<float> {
+/// PageHost over an Engine whose pages hold T: pages of its allocator, copies of all
+/// layers' K and V (bit for bit), and per-layer pool views for a BlockStore<T>. Throws
+/// kvkit::Error naming both dtypes when the engine stores another type.
+template <class T>
+class EngineConversationHostT final : public conversation::PageHost<T> {
  public:
-  explicit EngineConversationHost(Engine& eng) : eng_(&eng) {
+  explicit EngineConversationHostT(Engine& eng) : eng_(&eng) {
     for (int l = 0; l < eng.config().n_layers; ++l)
-      views_.push_back(eng.pool_view<float>(l));
+      views_.push_back(eng.pool_view<T>(l));
   }
   std::int32_t page_size() const override { return eng_->options().page_size; }
   std::int32_t try_allocate() override { return eng_->allocator().try_allocate(); }
@@ -47,17 +49,19 @@ class EngineConversationHost final : public conversation::PageHost<float> {
   }
   std::int32_t refcount(std::int32_t page) const override { return eng_->allocator().refcount(page); }
   void copy_page(std::int32_t src, std::int32_t dst) override {
-    for (const PagedKVView<float>& v : views_) {
+    for (const PagedKVView<T>& v : views_) {
       const Status st = copy_pages(eng_->model().exec(), v, &src, &dst, 1);
       if (!st.is_ok()) fail("kvkit: copying page ", src, " to ", dst, " failed: ", st.to_string());
     }
   }
-  const PagedKVView<float>* pool_views() override { return views_.data(); }
+  const PagedKVView<T>* pool_views() override { return views_.data(); }
 
  private:
   Engine* eng_;
-  std::vector<PagedKVView<float>> views_;  // [n_layers]
+  std::vector<PagedKVView<T>> views_;  // [n_layers]
 };
+/// The host of float32 pages (the engine's default).
+using EngineConversationHost = EngineConversationHostT<float>;
 
 /// PageHost over a bare BlockAllocator (no K/V storage: no copies, no spill).
 class AllocatorPageHost final : public conversation::PageHost<float> {
@@ -87,7 +91,8 @@ class AllocatorPageHost final : public conversation::PageHost<float> {
 /// the previous finish_turn saved is restored into the new sequence when the resume
 /// continues the whole history. On failure (a bad prompt) the
 /// handed pages are released and the turn aborted, then the error propagates.
-inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cache,
+template <class T>
+SeqId start_turn(Engine& eng, conversation::ConversationCache<T>& cache,
                         const std::string& id, const std::vector<std::int32_t>& prompt,
                         conversation::Resume* info = nullptr, SequenceStateKeeper* keeper = nullptr) {
   conversation::Resume r;
@@ -124,7 +129,8 @@ inline SeqId start_turn(Engine& eng, conversation::ConversationCache<float>& cac
 /// state of `seq` is stored with the conversation for the next start_turn. A sequence with
 /// tokens held outside the engine's pages (Engine::set_external_tokens: kvchan) throws
 /// kvkit::Error, changing nothing: the turn stays open and the sequence live.
-inline void finish_turn(Engine& eng, conversation::ConversationCache<float>& cache,
+template <class T>
+void finish_turn(Engine& eng, conversation::ConversationCache<T>& cache,
                         const std::string& id, SeqId seq, const SequenceStateKeeper* keeper = nullptr) {
   eng.check_self_contained(seq, "suspended in a conversation cache");  // kvchan: its pool is per sequence
   const std::vector<std::int32_t> done = eng.processed_tokens(seq);
