@@ -362,12 +362,8 @@ TEST_CASE("spill to the in-memory BlockStore and restore on resume", "[conversat
   Engine eng(ck, o);
   EngineConversationHost host(eng);
   store::MemoryBackend backend(64 << 20);
-  store::BlockStoreConfig sc;
-  sc.ns = store::make_namespace(name, "conversation-test");
-  sc.num_layers = ck->config().n_layers;
-  sc.page_size = 8;
-  sc.num_kv_heads = ck->config().n_kv_heads;
-  sc.head_dim = ck->config().head_dim();
+  const store::BlockStoreConfig sc =
+      kvkit::test::store_config(ck->config(), 8, store::make_namespace(name, "conversation-test"));
   store::BlockStore<float> bs(backend, sc);
   Params p;
   p.spill = true;
@@ -454,13 +450,8 @@ TEMPLATE_TEST_CASE("16-bit pages: resumed and spilled turns decode what recomput
   }
   EngineConversationHostT<T> host(eng);
   store::MemoryBackend backend(64 << 20);
-  store::BlockStoreConfig sc;
-  sc.ns = store::make_namespace(name, "conversation-test-16");
-  sc.num_layers = ck->config().n_layers;
-  sc.page_size = 8;
-  sc.num_kv_heads = ck->config().n_kv_heads;
-  sc.head_dim = ck->config().head_dim();
-  store::BlockStore<T> bs(backend, sc);
+  store::BlockStore<T> bs(backend, kvkit::test::store_config(ck->config(), 8,
+                                                              store::make_namespace(name, "conversation-test-16")));
   Params p;
   p.spill = true;
   ConversationCache<T> cache(host, p, {}, &bs);

@@ -51,12 +51,8 @@ TEST_CASE("spill to redis under pressure, restore on resume", "[conversation][re
   o.shuffle_seed = 3;
   Engine eng(ck, o);
   EngineConversationHost host(eng);
-  store::BlockStoreConfig sc;
-  sc.ns = store::make_namespace(name, "conversation-redis-" + std::to_string(rng()));
-  sc.num_layers = ck->config().n_layers;
-  sc.page_size = o.page_size;
-  sc.num_kv_heads = ck->config().n_kv_heads;
-  sc.head_dim = ck->config().head_dim();
+  const store::BlockStoreConfig sc = kvkit::test::store_config(
+      ck->config(), o.page_size, store::make_namespace(name, "conversation-redis-" + std::to_string(rng())));
   store::BlockStore<float> bs(backend, sc);
   Params p;
   p.spill = true;
