@@ -402,17 +402,6 @@ inline std::unique_ptr<store::BlockBackend> make_backend(const std::string& spec
   throw UsageError("--store must be memory or redis://..., got '" + spec + "'");
 }
 
-/// run_way on pages of the --kv-dtype type.
-inline WayResult run_way_typed(DType dtype, Way way, const Workload& wl, std::shared_ptr<const engine::Checkpoint> ck,
-                               const Options& o, std::int32_t num_pages, store::BlockBackend* backend,
-                               const std::string& ns) {
-  switch (dtype) {
-    case DType::kFloat16: return run_way<half_t>(way, wl, std::move(ck), o, num_pages, backend, ns);
-    case DType::kBFloat16: return run_way<bfloat16_t>(way, wl, std::move(ck), o, num_pages, backend, ns);
-    default: return run_way<float>(way, wl, std::move(ck), o, num_pages, backend, ns);
-  }
-}
-
 inline int run(const Options& o) {
   DType dtype = DType::kFloat32;
   if (!dtype_from_string(o.kv_dtype.c_str(), &dtype)) throw UsageError("unsupported --kv-dtype " + o.kv_dtype);
@@ -443,9 +432,13 @@ inline int run(const Options& o) {
       throw UsageError("--budget " + std::to_string(o.r1kv_budget) + " must be below the model's seq_len " +
                        std::to_string(cfg.seq_len));
   }
+  // run_way on pages of the --kv-dtype type.
+  auto run_typed = [&](Way w, std::int32_t pages, store::BlockBackend* be) {
+    return visit_dtype(dtype, [&](auto tag) { return run_way<decltype(tag)>(w, wl, ck, o, pages, be, ns); });
+  };
   std::vector<WayResult> results;
   results.reserve(5);  // `base` refers into it
-  results.push_back(run_way_typed(dtype, Way::kNoCache, wl, ck, o, one, nullptr, ns));
+  results.push_back(run_typed(Way::kNoCache, one, nullptr));
   const WayResult& base = results[0];
   std::int32_t budget = o.page_budget;
   if (budget == 0)
@@ -454,8 +447,8 @@ inline int run(const Options& o) {
     throw UsageError("--page-budget " + std::to_string(budget) + " is below one conversation: the longest needs " +
                      std::to_string(base.max_pages) + " pages of " + std::to_string(o.page_size) + " tokens");
   for (Way w : {Way::kPrefixLru, Way::kConversation, Way::kConversationSpill})
-    results.push_back(run_way_typed(dtype, w, wl, ck, o, budget, backend.get(), ns));
-  if (o.r1kv_budget > 0) results.push_back(run_way_typed(dtype, Way::kConversationR1kv, wl, ck, o, budget, backend.get(), ns));
+    results.push_back(run_typed(w, budget, backend.get()));
+  if (o.r1kv_budget > 0) results.push_back(run_typed(Way::kConversationR1kv, budget, backend.get()));
 
   bool match = true;
   for (const WayResult& r : results) {

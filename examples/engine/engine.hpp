@@ -264,11 +264,7 @@ class Engine {
   /// of the engine instantiates its typed code once per dtype and runs the one in use.
   template <class F>
   auto with_kv_type(F&& f) const -> decltype(f(float{})) {
-    switch (opt_.kv_dtype) {
-      case DType::kFloat16: return f(half_t{});
-      case DType::kBFloat16: return f(bfloat16_t{});
-      default: return f(float{});
-    }
+    return visit_dtype(opt_.kv_dtype, std::forward<F>(f));
   }
   /// Layer `layer`'s K (V) pool as floats [num_pages * page elements]; throws kvkit::Error
   /// naming the dtype unless the pages hold float32.

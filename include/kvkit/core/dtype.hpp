@@ -167,4 +167,16 @@ struct dtype_of<bfloat16_t> {
 template <class T>
 inline constexpr DType dtype_of_v = dtype_of<std::remove_cv_t<T>>::value;
 
+/// Runtime DType to element type: calls f(T{}) with T = float, half_t or bfloat16_t for d
+/// (float for any other value), so host code instantiates its typed path once per dtype
+/// and runs the one a run-time option picked.
+template <class F>
+auto visit_dtype(DType d, F&& f) -> decltype(f(float{})) {
+  switch (d) {
+    case DType::kFloat16: return f(half_t{});
+    case DType::kBFloat16: return f(bfloat16_t{});
+    default: return f(float{});
+  }
+}
+
 }  // namespace kvkit
