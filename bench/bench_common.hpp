@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "kvkit/core/dtype.hpp"
+#include "read_floor.hpp"
 
 namespace kvkit {
 namespace bench {
@@ -30,23 +31,6 @@ inline double thread_cpu_now() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-/// Bytes of the last-level cache as the C library reports it (the L3 on x86; 32 MiB when
-/// it reports nothing). Server parts range from 32 MiB to over 256 MiB, so a fixed "cold"
-/// working set that is DRAM on one machine is L3 on the next.
-inline std::size_t llc_bytes() {
-  long l3 = -1;
-#if defined(_SC_LEVEL3_CACHE_SIZE)
-  l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-#endif
-  return l3 > 0 ? static_cast<std::size_t>(l3) : std::size_t{32} << 20;
-}
-
-/// Bytes a benchmark cycles through before it reads the same data again, so that every
-/// read comes from DRAM: at least `at_least`, and twice the last-level cache.
-inline std::size_t dram_rotation_bytes(std::size_t at_least) {
-  return std::max(at_least, 2 * llc_bytes());
 }
 
 /// "f32", "f16" or "bf16", for benchmark names.

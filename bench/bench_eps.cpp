@@ -146,11 +146,12 @@ Trace synthetic_trace(std::int32_t n, std::uint64_t seed, std::int32_t queries) 
 }
 
 constexpr int kMethods = 6;  // ranking columns: box, strict, fd, jl, 1pc, rbox
-constexpr int kWalkBounds = 7;  // certified-walk columns (kWalkNames)
+constexpr int kWalkBounds = 9;  // certified-walk columns (kWalkNames)
 const char* const kWalkNames[kWalkBounds] = {"box+norm", "rbox (box,norm,rot)", "rot+norm (no axis box)",
-                                             "centred norm", "min(all certified)", "oracle max logit",
-                                             "oracle page mass"};
+                                             "centred norm", "min(all certified)", "int4 tokens (page mass)",
+                                             "int8 tokens (page mass)", "oracle max logit", "oracle page mass"};
 const double kWalkEps[3] = {1e-3, 1e-2, 1e-1};
+const double kCodeEps[2] = {1e-3, 1e-2};
 
 struct Row {
   std::string trace;
@@ -159,6 +160,8 @@ struct Row {
   double recall_pages[kMethods] = {};
   double err[3][kMethods] = {};  // [budget][method]
   double visited_box = 0, visited_strict = 0, visited_jl = 0, visited_rbox = 0;
+  // Strict walks at eps 1e-3 / 1e-2 (kCodeEps): box-only, codes at 4 and 8 bits.
+  double code_box[2] = {}, code4[2] = {}, code8[2] = {};
   double walk[3][kWalkBounds] = {};  // [eps][bound] pages visited by the certified walk
   double slack_nats[kWalkBounds] = {};  // mean over queries and pages of s·(U - true max)
   std::int32_t queries = 0;
@@ -192,6 +195,37 @@ std::int32_t walk_pages(const Trace& t, const std::vector<double>& logit, const 
         return m;
       });
   return r.visited + 1;
+}
+
+// Page j's mass bound from `bits`-bit per-token keys: each channel c of the page is coded on
+// 2^bits levels over the page's own [min_c, max_c] (the box), k̂ the level's midpoint, so
+// |k_c − k̂_c| <= Δ_c / 2 and q·k <= q·k̂ + Σ_c |q_c| Δ_c / 2 =: U_t for every token. The
+// page's mass is then <= Σ_t exp(s·U_t); returned as the max-logit bound U with
+// P·exp(s·U) equal to that sum (what walk_pages takes). Double arithmetic, 1e-9 margin.
+double quant_mass_bound(const Trace& t, std::int32_t j, const std::vector<float>& q, int bits, double ref) {
+  const int d = t.d, levels = 1 << bits;
+  const std::int32_t i0 = j * t.P, i1 = std::min(t.n, (j + 1) * t.P);
+  double slack = 0, sum = 0;
+  std::vector<double> lo(static_cast<std::size_t>(d), 1e300), step(static_cast<std::size_t>(d));
+  for (std::int32_t i = i0; i < i1; ++i)
+    for (int c = 0; c < d; ++c) lo[c] = std::min(lo[c], double(t.k[static_cast<std::size_t>(i) * d + c]));
+  for (int c = 0; c < d; ++c) {
+    double hi = -1e300;
+    for (std::int32_t i = i0; i < i1; ++i) hi = std::max(hi, double(t.k[static_cast<std::size_t>(i) * d + c]));
+    step[c] = (hi - lo[c]) / levels;
+    slack += std::fabs(double(q[c])) * step[c] / 2;
+  }
+  for (std::int32_t i = i0; i < i1; ++i) {
+    double u = slack;
+    for (int c = 0; c < d; ++c) {
+      const double x = t.k[static_cast<std::size_t>(i) * d + c];
+      const double code = step[c] > 0 ? std::min<double>(levels - 1, std::floor((x - lo[c]) / step[c])) : 0;
+      u += double(q[c]) * (lo[c] + (code + 0.5) * step[c]);
+    }
+    sum += std::exp(t.scale * u - ref);
+  }
+  const double U = (std::log(sum) + ref - std::log(double(t.P))) / t.scale;
+  return U + 1e-9 * std::fabs(U);
 }
 
 const double kBudgets[3] = {0.02, 0.05, 0.10};
@@ -269,11 +303,12 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
       wub[2][j] = std::min(rot, gb.norm);
       wub[3][j] = std::min(cn, gb.norm);
       wub[4][j] = std::min({ub[5][j], gb.fd, cn});
-      wub[5][j] = tmax;
+      wub[7][j] = tmax;
       double lse = 0;  // the page's exact mass as a bound: log(P) + s·U = log Σ exp(logit)
       for (std::int32_t i = j * t.P; i < std::min(t.n, (j + 1) * t.P); ++i) lse += std::exp(logit[i] - mx);
-      wub[6][j] = (std::log(lse) + mx - std::log(double(t.P))) / t.scale + 1e-9 * std::fabs(tmax);
-      for (int b = 0; b < 6; ++b) row.slack_nats[b] += t.scale * (wub[b][j] - tmax) / np;
+      wub[8][j] = (std::log(lse) + mx - std::log(double(t.P))) / t.scale + 1e-9 * std::fabs(tmax);
+      for (int bits = 4, col = 5; bits <= 8; bits += 4, ++col) wub[col][j] = quant_mass_bound(t, j, q, bits, mx);
+      for (int b = 0; b < 8; ++b) row.slack_nats[b] += t.scale * (wub[b][j] - tmax) / np;
     }
     for (int e = 0; e < 3; ++e)
       for (int b = 0; b < kWalkBounds; ++b) row.walk[e][b] += walk_pages(t, logit, wub[b], kWalkEps[e]);
@@ -322,11 +357,12 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
     ++row.queries;
   }
   // Certified pre-pass (ε = 1e-3): box-only vs strict FD; default-mode JL for reference.
-  auto visited = [&](sk::SketchMethod mt, bool strict) {
+  auto visited = [&](sk::SketchMethod mt, bool strict, double eps = 1e-3, std::int32_t bits = 4) {
     sk::SketchParams sp;
     sp.method = mt;
     sp.strict = strict;
-    sp.eps = 1e-3;
+    sp.eps = eps;
+    sp.code_bits = bits;
     sp.jl_dim = m;
     sp.fd_rows = l;
     sp.score_fraction = 1;  // the rule's own pruning, without the scoring cap
@@ -346,6 +382,11 @@ Row analyse(const Trace& t, std::int32_t m, std::int32_t l) {
   row.visited_strict = visited(sk::SketchMethod::kFD, true);
   row.visited_jl = visited(sk::SketchMethod::kJL, false);
   row.visited_rbox = visited(sk::SketchMethod::kRotBox, true);
+  for (int e = 0; e < 2; ++e) {
+    row.code_box[e] = visited(sk::SketchMethod::kBox, true, kCodeEps[e]);
+    row.code4[e] = visited(sk::SketchMethod::kCodes, true, kCodeEps[e], 4);
+    row.code8[e] = visited(sk::SketchMethod::kCodes, true, kCodeEps[e], 8);
+  }
   return row;
 }
 
@@ -365,7 +406,9 @@ double best_of(int reps, F f) {
 // cached between repetitions and reads faster than DRAM allows).
 bool g_cold = false;
 std::vector<float>& evict_buffer() {
-  static std::vector<float> b(static_cast<std::size_t>(64) << 20, 1.f);  // 256 MiB
+  // 256 MiB, or twice the last-level cache where that is larger (260 MiB of L3 on the
+  // Xeon CI now runs on: a fixed 256 MiB left small subsets cached there).
+  static std::vector<float> b(kvkit::bench::dram_rotation_bytes(std::size_t{256} << 20) / sizeof(float), 1.f);
   return b;
 }
 float g_sink = 0;
@@ -446,26 +489,34 @@ void timing(const Trace& t, std::int32_t m, std::int32_t l, int reps) {
     bool strict;
     std::int32_t g, budget;
     double fraction;  // SketchParams::score_fraction (1: the plain ε rule)
+    double eps;
+    std::int32_t bits;  // kCodes
   };
   const double def = sk::SketchParams{}.score_fraction;
-  const Cfg cfgs[] = {{"strict box g=1, plain eps rule", sk::SketchMethod::kBox, true, 1, 0, 1.0},
-                      {"strict box g=1, default score_fraction", sk::SketchMethod::kBox, true, 1, 0, def},
-                      {"strict box g=1, score budget 1", sk::SketchMethod::kBox, true, 1, 1, 1.0},
-                      {"strict FD g=1, plain eps rule", sk::SketchMethod::kFD, true, 1, 0, 1.0},
-                      {"strict FD g=1, default score_fraction", sk::SketchMethod::kFD, true, 1, 0, def},
-                      {"strict rbox g=1, plain eps rule", sk::SketchMethod::kRotBox, true, 1, 0, 1.0},
-                      {"strict rbox g=1, default score_fraction", sk::SketchMethod::kRotBox, true, 1, 0, def},
-                      {"strict box g=4, plain eps rule", sk::SketchMethod::kBox, true, 4, 0, 1.0},
-                      {"strict box g=4, default score_fraction", sk::SketchMethod::kBox, true, 4, 0, def},
-                      {"default JL g=1 (alpha 1.1), plain eps rule", sk::SketchMethod::kJL, false, 1, 0, 1.0},
-                      {"default JL g=1 (alpha 1.1), default score_fraction", sk::SketchMethod::kJL, false, 1, 0, def},
-                      {"default 1-PC g=1 (alpha 1.1), plain eps rule", sk::SketchMethod::kOnePC, false, 1, 0, 1.0}};
+  const Cfg cfgs[] = {{"strict box g=1, plain eps rule", sk::SketchMethod::kBox, true, 1, 0, 1.0, 1e-3, 4},
+                      {"strict box g=1, default score_fraction", sk::SketchMethod::kBox, true, 1, 0, def, 1e-3, 4},
+                      {"strict box g=1, score budget 1", sk::SketchMethod::kBox, true, 1, 1, 1.0, 1e-3, 4},
+                      {"strict FD g=1, plain eps rule", sk::SketchMethod::kFD, true, 1, 0, 1.0, 1e-3, 4},
+                      {"strict FD g=1, default score_fraction", sk::SketchMethod::kFD, true, 1, 0, def, 1e-3, 4},
+                      {"strict rbox g=1, plain eps rule", sk::SketchMethod::kRotBox, true, 1, 0, 1.0, 1e-3, 4},
+                      {"strict rbox g=1, default score_fraction", sk::SketchMethod::kRotBox, true, 1, 0, def, 1e-3, 4},
+                      {"strict box g=4, plain eps rule", sk::SketchMethod::kBox, true, 4, 0, 1.0, 1e-3, 4},
+                      {"strict box g=4, default score_fraction", sk::SketchMethod::kBox, true, 4, 0, def, 1e-3, 4},
+                      {"default JL g=1 (alpha 1.1), plain eps rule", sk::SketchMethod::kJL, false, 1, 0, 1.0, 1e-3, 4},
+                      {"default JL g=1 (alpha 1.1), default score_fraction", sk::SketchMethod::kJL, false, 1, 0, def, 1e-3, 4},
+                      {"default 1-PC g=1 (alpha 1.1), plain eps rule", sk::SketchMethod::kOnePC, false, 1, 0, 1.0, 1e-3, 4},
+                      {"strict codes 4 bit g=1 (no keys read)", sk::SketchMethod::kCodes, true, 1, 0, 1.0, 1e-3, 4},
+                      {"strict codes 8 bit g=1 (no keys read)", sk::SketchMethod::kCodes, true, 1, 0, 1.0, 1e-3, 8},
+                      {"strict box g=1, eps 1e-2, default score_fraction", sk::SketchMethod::kBox, true, 1, 0, def, 1e-2, 4},
+                      {"strict codes 4 bit g=1, eps 1e-2", sk::SketchMethod::kCodes, true, 1, 0, 1.0, 1e-2, 4},
+                      {"strict codes 8 bit g=1, eps 1e-2", sk::SketchMethod::kCodes, true, 1, 0, 1.0, 1e-2, 8}};
   double sync_s = 0, sync_rbox = 0;
   for (const Cfg& c : cfgs) {
     sk::SketchParams sp;
     sp.method = c.method;
     sp.strict = c.strict;
-    sp.eps = 1e-3;
+    sp.eps = c.eps;
+    sp.code_bits = c.bits;
     sp.jl_dim = m;
     sp.fd_rows = l;
     sp.group_pages = c.g;
@@ -638,6 +689,29 @@ void print_rows(const std::vector<Row>& rows, const char* title) {
     std::printf("median box/rbox ratio %.3f; traces where rbox visits more than box-only: %lld of %zu\n",
                 rratios[rratios.size() / 2], static_cast<long long>(rworse), rows.size());
   }
+  // The strict selector with per-token codes (method codes) against box-only, per eps.
+  std::printf("\nstrict selector (SketchSelector, last page always read): box-only vs per-token codes (method codes, 4 and 8 bits); "
+              "pages visited, mean per query\n\n| eps | trace | pages | box-only | codes 4 bit | codes 8 bit | box / codes4 | box / codes8 |\n"
+              "|---|---|---|---|---|---|---|---|\n");
+  for (int e = 0; e < 2; ++e) {
+    std::vector<double> r4, r8;
+    std::int64_t worse4 = 0, worse8 = 0;
+    for (const Row& r : rows) {
+      const double a = r.code_box[e] / std::max(1.0, r.code4[e]), b = r.code_box[e] / std::max(1.0, r.code8[e]);
+      r4.push_back(a);
+      r8.push_back(b);
+      worse4 += r.code4[e] > r.code_box[e] ? 1 : 0;
+      worse8 += r.code8[e] > r.code_box[e] ? 1 : 0;
+      std::printf("| %g | %s | %d | %.1f | %.1f | %.1f | %.3f | %.3f |\n", kCodeEps[e], r.trace.c_str(), r.pages,
+                  r.code_box[e] / r.queries, r.code4[e] / r.queries, r.code8[e] / r.queries, a, b);
+    }
+    std::sort(r4.begin(), r4.end());
+    std::sort(r8.begin(), r8.end());
+    std::printf("\neps %g: median box/codes ratio %.3f (4 bit), %.3f (8 bit); traces where codes visit more than box-only: "
+                "%lld (4 bit), %lld (8 bit) of %zu\n\n",
+                kCodeEps[e], r4[r4.size() / 2], r8[r8.size() / 2], static_cast<long long>(worse4),
+                static_cast<long long>(worse8), rows.size());
+  }
   // Candidate bounds in the same walk (single query head, last page always read): pages
   // visited per query, median over traces of (box+norm pages) / (candidate pages).
   std::printf("\ncandidate bounds, certified eps walk (pages visited, mean per query; oracle = the true max logit per page, "
@@ -666,7 +740,7 @@ void print_rows(const std::vector<Row>& rows, const char* title) {
     std::printf("\n");
   }
   std::printf("| - | median slack nats |");
-  for (int b = 0; b < 6; ++b) {
+  for (int b = 0; b < 8; ++b) {
     std::vector<double> v;
     for (const Row& r : rows) v.push_back(r.slack_nats[b] / r.queries);
     std::sort(v.begin(), v.end());

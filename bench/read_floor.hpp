@@ -1,6 +1,10 @@
 #pragma once
-// The memory floor the benchmarks compare kernels with: a plain read of the same bytes.
+// The memory floor the benchmarks compare kernels with: a plain read of the same bytes, and
+// how many bytes a benchmark must cycle through so that its reads come from DRAM.
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -21,6 +25,23 @@ inline std::uint64_t sum_words(const std::uint64_t* w,  // [end]
   }
   for (; i < end; ++i) a0 += w[i];
   return (a0 + a1) + (a2 + a3);
+}
+
+/// Bytes of the last-level cache as the C library reports it (the L3 on x86; 32 MiB when
+/// it reports nothing). Server parts range from 32 MiB to over 256 MiB, so a fixed "cold"
+/// working set that is DRAM on one machine is L3 on the next.
+inline std::size_t llc_bytes() {
+  long l3 = -1;
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+  l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+  return l3 > 0 ? static_cast<std::size_t>(l3) : std::size_t{32} << 20;
+}
+
+/// Bytes a benchmark cycles through before it reads the same data again, so that every
+/// read comes from DRAM: at least `at_least`, and twice the last-level cache.
+inline std::size_t dram_rotation_bytes(std::size_t at_least) {
+  return std::max(at_least, 2 * llc_bytes());
 }
 
 }  // namespace bench

@@ -70,7 +70,7 @@ struct PropertyCounts {
 // above eps, certified bound <= eps (no cap).
 template <class T>
 void property_round(std::mt19937_64& rng, sk::SketchMethod method, double eps, std::int32_t group,
-                    std::int32_t queries, PropertyCounts& cnt) {
+                    std::int32_t queries, PropertyCounts& cnt, std::int32_t code_bits = 4) {
   PoolSpec spec;
   spec.num_kv_heads = 2;
   spec.head_dim = 32;
@@ -87,6 +87,7 @@ void property_round(std::mt19937_64& rng, sk::SketchMethod method, double eps, s
   p.group_pages = group;
   p.last_n = 1;
   p.score_fraction = 1;  // the plain ε rule: its skips are what is checked
+  p.code_bits = code_bits;
   sk::SketchStore store(p, 1, spec.num_kv_heads, d, spec.page_size, pool.geometry.num_pages);
   store.sync(0, pool.view);
   sk::SketchSelector sel(store);
@@ -138,7 +139,7 @@ void property_round(std::mt19937_64& rng, sk::SketchMethod method, double eps, s
         cnt.pairs += np;
         ++cnt.checks;
         if (!(om <= cert * (1 + 1e-9) + 1e-15) || !(worst <= eps) || !(cert <= eps * (1 + 1e-9))) {
-          CAPTURE(b, hq, om, cert, worst, eps, group, sk::to_string(method));
+          CAPTURE(b, hq, om, cert, worst, eps, group, sk::to_string(method), code_bits);
           REQUIRE(om <= cert * (1 + 1e-9) + 1e-15);
           REQUIRE(worst <= eps);
           REQUIRE(cert <= eps * (1 + 1e-9));
@@ -313,6 +314,127 @@ TEST_CASE("eps: strict rbox (min(box, norm, rotated box)) is sound over >= 1e6 r
   if (!kSanitized) REQUIRE(cf.pairs + ch.pairs >= 1000000);
   REQUIRE(cf.visited < cf.total);
   REQUIRE(ch.visited < ch.total);
+}
+
+TEST_CASE("eps codes: strict per-token code bounds are sound over >= 1e6 random (query, page) pairs, and skip more than the box",
+          "[eps]") {
+  KVKIT_TEST_RNG(rng);
+  const std::int32_t per_round = kSanitized ? 2 : 36;
+  PropertyCounts cf, ch, bf;
+  const double epss[3] = {1e-2, 1e-3, 1e-4};
+  for (int round = 0; round < 6; ++round) {
+    const double eps = epss[round % 3];
+    const std::int32_t group = round < 3 ? 1 : 2, bits = round % 2 ? 8 : 4;
+    // The box on the same kind of pools and queries, for the comparison below.
+    std::mt19937_64 twin(rng());
+    std::mt19937_64 same = twin;
+    property_round<float>(twin, sk::SketchMethod::kCodes, eps, group, per_round, cf, bits);
+    property_round<float>(same, sk::SketchMethod::kBox, eps, group, per_round, bf);
+    property_round<half_t>(rng, sk::SketchMethod::kCodes, eps, group, per_round, ch, bits);
+  }
+  WARN("strict codes soundness: " << cf.pairs << " float + " << ch.pairs << " half (query head, page) pairs, "
+                                  << cf.checks + ch.checks << " softmax checks; pages visited "
+                                  << double(cf.visited) / double(cf.total) << " of all (box on the same pools and queries: "
+                                  << double(bf.visited) / double(bf.total) << ")"
+                                  << (kSanitized ? " (sanitizer build: 18x fewer queries)" : ""));
+  if (!kSanitized) REQUIRE(cf.pairs + ch.pairs >= 1000000);
+  REQUIRE(ch.visited < ch.total);
+  // The same pools and queries (one generator state copied): the per-token bounds skip
+  // pages the box cannot.
+  REQUIRE(cf.total == bf.total);
+  REQUIRE(cf.visited < bf.visited);
+}
+
+TEST_CASE("eps codes: the per-token log-mass bounds bracket the float64 mass, within the cell width", "[eps]") {
+  KVKIT_TEST_RNG(rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const std::int32_t P = 16;
+  for (std::int32_t bits : {4, 8})
+    for (std::int32_t d : {8, 30, 64, 128}) {
+      sk::SketchParams p;
+      p.method = sk::SketchMethod::kCodes;
+      p.code_bits = bits;
+      std::vector<float> work(static_cast<std::size_t>(d));
+      std::vector<double> dots(static_cast<std::size_t>(P));
+      double worst_gap = 0;
+      for (int trial = 0; trial < 40; ++trial) {
+        // Keys with an offset and per-channel scales (outlier channels included), some
+        // channels flat; half-precision keys in odd trials.
+        std::vector<float> K(static_cast<std::size_t>(P) * d), q(static_cast<std::size_t>(d));
+        std::vector<half_t> Kh(K.size());
+        const bool flat = trial % 5 == 0;
+        for (std::int32_t c = 0; c < d; ++c) {
+          const float off = 2.f * nd(rng), sc = c % 7 == 0 ? 8.f : 0.5f + std::fabs(nd(rng));
+          for (std::int32_t t = 0; t < P; ++t) K[static_cast<std::size_t>(t) * d + c] = flat && c % 3 == 0 ? off : off + sc * nd(rng);
+          q[c] = 2.f * nd(rng);
+        }
+        for (std::size_t i = 0; i < K.size(); ++i) {
+          Kh[i] = kvkit::from_float<half_t>(K[i]);
+          if (trial % 2) K[i] = kvkit::to_float(Kh[i]);
+        }
+        sk::SketchStore store(p, 1, 1, d, P, 4);
+        const std::int32_t r = trial % 2 ? store.summarise_keys(0, 1, 0, Kh.data(), P, d)
+                                         : store.summarise_keys(0, 1, 0, K.data(), P, d);
+        REQUIRE(store.has_codes(0, r));
+        const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+        double mx = -1e300;
+        std::vector<double> lg(static_cast<std::size_t>(P));
+        for (std::int32_t t = 0; t < P; ++t) {
+          lg[t] = scale * dotd(K.data() + static_cast<std::size_t>(t) * d, q.data(), d);
+          mx = std::max(mx, lg[t]);
+        }
+        double z = 0;
+        for (double x : lg) z += std::exp(x - mx);
+        const double exact = mx + std::log(z);
+        double hi = 0, lo = 0;
+        sk::codes_bounds(store, 0, r, 0, q.data(), scale, work.data(), dots.data(), &hi, &lo);
+        CAPTURE(bits, d, trial, exact, hi, lo);
+        REQUIRE(hi >= exact);
+        REQUIRE(lo <= exact);
+        // The gap is s·Σ_c |q_c|·step_c (+ rounding): the box's width over 2^bits cells.
+        double cells = 0, mag = 0;
+        for (std::int32_t c = 0; c < d; ++c) {
+          double mn = 1e300, mxc = -1e300;
+          for (std::int32_t t = 0; t < P; ++t) {
+            mn = std::min(mn, double(K[static_cast<std::size_t>(t) * d + c]));
+            mxc = std::max(mxc, double(K[static_cast<std::size_t>(t) * d + c]));
+          }
+          cells += std::fabs(q[c]) * (mxc - mn) / (1 << bits);
+          mag += std::fabs(q[c]) * (std::fabs(mn) + (mxc - mn) / (1 << bits));
+        }
+        // (+ the rounding slack on each side: (float_sum_slack(d) + 2⁻²³)·(2^bits − 1)·Σ|a|
+        // for the codes' sums, (float_sum_slack(2d) + 2⁻²³)·Σ|q|(|min| + step) for the base)
+        const double tol = 2.2 * (sk::detail::float_sum_slack(d) + 0x1p-23) * ((1 << bits) - 1) +
+                           3 * sk::detail::float_sum_slack(2 * d);
+        const double tol_base = 2.2 * (sk::detail::float_sum_slack(2 * d) + 0x1p-23) * mag;
+        REQUIRE(hi - lo <= scale * (cells * (1 + tol) + tol_base) + 1e-9);
+        worst_gap = std::max(worst_gap, hi - lo);
+      }
+      WARN("codes " << bits << " bits, d " << d << ": widest log-mass bracket " << worst_gap << " nats");
+    }
+}
+
+TEST_CASE("eps codes: bad code_bits and odd head_dim at 4 bits throw naming the value; memory counts the codes",
+          "[eps]") {
+  sk::SketchParams p;
+  p.method = sk::SketchMethod::kCodes;
+  p.code_bits = 3;
+  REQUIRE_THROWS_WITH(p.validate(), Catch::Contains("code_bits must be 4 or 8, got 3"));
+  p.code_bits = 4;
+  REQUIRE_THROWS_WITH(sk::SketchStore(p, 1, 1, 7, 4, 4), Catch::Contains("even head_dim, got 7"));
+  REQUIRE(sk::parse_method("codes") == sk::SketchMethod::kCodes);
+  REQUIRE(std::string(sk::to_string(sk::SketchMethod::kCodes)) == "codes");
+  for (std::int32_t bits : {4, 8}) {
+    p.code_bits = bits;
+    p.group_pages = 2;
+    p.all_summaries = false;  // box and scalars besides the codes
+    sk::SketchStore st(p, 1, 2, 16, 4, 8);
+    REQUIRE(st.memory_bytes() == 0);
+    std::vector<float> k(8 * 16, 1.f);
+    st.summarise_keys(0, 0, 0, k.data(), 8, 16);
+    // One record, 2 kv heads: box + scalars + 8 tokens x 16 channels x bits / 8.
+    REQUIRE(st.memory_bytes() == 2 * (8 * 16 + 12 + 8 * 16 * bits / 8));
+  }
 }
 
 TEST_CASE("eps: a planted needle's page is always visited in strict mode", "[eps]") {

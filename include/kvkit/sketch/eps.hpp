@@ -108,7 +108,7 @@ namespace kvkit {
 namespace sketch {
 
 /// Which summary orders and bounds the groups (see the file comment).
-enum class SketchMethod : unsigned char { kBox = 0, kJL = 1, kOnePC = 2, kFD = 3, kRotBox = 4 };
+enum class SketchMethod : unsigned char { kBox = 0, kJL = 1, kOnePC = 2, kFD = 3, kRotBox = 4, kCodes = 5 };
 
 inline const char* to_string(SketchMethod m) {
   switch (m) {
@@ -117,18 +117,20 @@ inline const char* to_string(SketchMethod m) {
     case SketchMethod::kOnePC: return "1pc";
     case SketchMethod::kFD: return "fd";
     case SketchMethod::kRotBox: return "rbox";
+    case SketchMethod::kCodes: return "codes";
   }
   return "?";
 }
 
-/// "box" | "jl" | "1pc" | "fd" | "rbox"; throws kvkit::Error naming anything else.
+/// "box" | "jl" | "1pc" | "fd" | "rbox" | "codes"; throws kvkit::Error naming anything else.
 inline SketchMethod parse_method(const std::string& s) {
   if (s == "box") return SketchMethod::kBox;
   if (s == "jl") return SketchMethod::kJL;
   if (s == "1pc") return SketchMethod::kOnePC;
   if (s == "fd") return SketchMethod::kFD;
   if (s == "rbox") return SketchMethod::kRotBox;
-  fail("kvkit: unknown sketch method '", s, "' (expected box, jl, 1pc, fd or rbox)");
+  if (s == "codes") return SketchMethod::kCodes;
+  fail("kvkit: unknown sketch method '", s, "' (expected box, jl, 1pc, fd, rbox or codes)");
 }
 
 /// Sketcher settings; validate() (called by the constructors) throws kvkit::Error naming
@@ -154,6 +156,7 @@ struct SketchParams {
   double score_fraction = 0.25;
   std::uint64_t seed = 0x5eed5eedULL;  // Φ
   std::int32_t basis_keys = 64;  // kRotBox: tokens a layer's view must hold before its basis is fitted, >= 2
+  std::int32_t code_bits = 4;    // kCodes: bits per key channel, 4 or 8
   std::vector<std::uint8_t> head_on;  // [num_layers * num_kv_heads] 0: read all pages; empty: all on
   // true: every summary of the seed (box, scalars, JL, FD, 1-PC) whatever the method, so
   // the methods can be compared on one store. false: only what `method` reads (box and
@@ -174,7 +177,8 @@ struct SketchParams {
                 "kvkit: sketch score_fraction must be in (0, 1] (1: no limit), got ", score_fraction);
     KVKIT_CHECK(top_pages >= 0, "kvkit: sketch top_pages must be >= 0 (0: no cap), got ", top_pages);
     KVKIT_CHECK(basis_keys >= 2, "kvkit: sketch basis_keys must be >= 2, got ", basis_keys);
-    KVKIT_CHECK(static_cast<int>(method) <= 4, "kvkit: unknown sketch method ", static_cast<int>(method));
+    KVKIT_CHECK(code_bits == 4 || code_bits == 8, "kvkit: sketch code_bits must be 4 or 8, got ", code_bits);
+    KVKIT_CHECK(static_cast<int>(method) <= 5, "kvkit: unknown sketch method ", static_cast<int>(method));
   }
 };
 
@@ -190,10 +194,11 @@ inline SummaryParts summary_parts(const SketchParams& p) {
 
 /// Summary bytes of one (layer, kv head, group), per component (seed §7/§17 formulas).
 /// `rot`: the rotated box of kRotBox (8d + 4 bytes; its basis, 4d² per (layer, kv head),
-/// is counted by SketchStore::memory_bytes()).
+/// is counted by SketchStore::memory_bytes()). `codes`: kCodes' per-token key codes,
+/// g·P·d·bits/8 bytes (the grid is the box, so codes add nothing else).
 struct SummaryBytes {
-  std::int64_t box = 0, scalars = 0, jl = 0, fd = 0, one_pc = 0, rot = 0;
-  std::int64_t total() const { return box + scalars + jl + fd + one_pc + rot; }
+  std::int64_t box = 0, scalars = 0, jl = 0, fd = 0, one_pc = 0, rot = 0, codes = 0;
+  std::int64_t total() const { return box + scalars + jl + fd + one_pc + rot + codes; }
 };
 inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::int32_t l, bool rot = false) {
   SummaryBytes b;
@@ -205,9 +210,12 @@ inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::in
   b.rot = rot ? 8LL * head_dim + 4 : 0;
   return b;
 }
-/// summary_bytes of the components a store with params p keeps (summary_parts).
-inline SummaryBytes summary_bytes(const SketchParams& p, std::int32_t head_dim) {
+/// summary_bytes of the components a store with params p keeps (summary_parts); with
+/// kCodes the codes of a group of p.group_pages pages of `page_size` tokens.
+inline SummaryBytes summary_bytes(const SketchParams& p, std::int32_t head_dim, std::int32_t page_size = 0) {
   SummaryBytes b = summary_bytes(head_dim, p.jl_dim, p.fd_rows, p.method == SketchMethod::kRotBox);
+  if (p.method == SketchMethod::kCodes)
+    b.codes = static_cast<std::int64_t>(p.group_pages) * page_size * head_dim * p.code_bits / 8;
   const SummaryParts k = summary_parts(p);
   if (!k.jl) b.jl = 0;
   if (!k.fd) b.fd = 0;
@@ -284,6 +292,19 @@ inline float round_up_float(double x) {
 }
 /// Largest float <= x.
 inline float round_down_float(double x) { return -round_up_float(-x); }
+
+/// kCodes: the cell width of a channel whose box is [lo, hi], on `levels` (a power of two)
+/// cells: a float >= (hi − lo)/levels, so the cells cover the box; 0 for a flat channel
+/// (every key equals lo). Three float operations (the pre-pass calls it d times a group):
+/// hi − lo and the factor 1 + 2⁻²⁰ each round by at most 2⁻²⁴ relative, 1/levels is
+/// exact; steps below 2⁻¹⁰⁰ become 2⁻¹⁰⁰, so no rounding happens in the subnormal range
+/// (and no subnormal operand costs a microcode assist: x86 takes ~100 cycles for one).
+/// The coder and the bound both call it, so they agree on every cell.
+inline float code_step(float lo, float hi, std::int32_t levels) {
+  if (!(hi > lo)) return 0.f;
+  const float st = (hi - lo) * (1.f / static_cast<float>(levels)) * (1.f + 0x1p-20f);
+  return st < 0x1p-100f ? 0x1p-100f : st;
+}
 
 /// y = Bᵀx in float, the same loop as mat_t_vec (the K-write path: 8 lanes a step).
 inline void mat_t_vec_f(const float* B /* [d, d] */, std::int32_t d, const float* x /* [d] */, float* y /* [d] */) {
@@ -404,6 +425,11 @@ class SketchStore {
       basis_tmp_.assign(static_cast<std::size_t>(d_) * d_, 0.f);
       rot_work_.assign(2 * static_cast<std::size_t>(d_), 0.f);
     }
+    if (coded()) {
+      KVKIT_CHECK(p_.code_bits == 8 || d_ % 2 == 0, "kvkit: 4-bit sketch codes need an even head_dim, got ", d_);
+      codes_.assign(recs * hkv_ * static_cast<std::size_t>(p_.group_pages) * page_size_ * code_row_bytes(), 0);
+      coded_.assign(recs, 0);
+    }
   }
 
   const SketchParams& params() const { return p_; }
@@ -439,8 +465,22 @@ class SketchStore {
     std::int64_t recs = 0, bases = 0;
     for (std::int32_t n : live_) recs += n;
     for (std::uint8_t b : basis_set_) bases += b;
-    return recs * hkv_ * summary_bytes(p_, d_).total() +
+    return recs * hkv_ * summary_bytes(p_, d_, page_size_).total() +
            (parts_.jl ? static_cast<std::int64_t>(hkv_) * d_ * p_.jl_dim : 0) + bases * 4LL * d_ * d_;
+  }
+
+  /// True when this store keeps per-token key codes (method kCodes).
+  bool coded() const { return p_.method == SketchMethod::kCodes; }
+  /// Bytes of one token's codes for one kv head: d (8 bits) or d/2 (4 bits: byte i holds
+  /// channel i in its low nibble and channel i + d/2 in its high one).
+  std::int32_t code_row_bytes() const { return p_.code_bits == 8 ? d_ : d_ / 2; }
+  /// True when record r of `layer` has its codes (built once its group is full).
+  bool has_codes(std::int32_t layer, std::int32_t r) const { return coded() && coded_[rec(layer, r)] != 0; }
+  /// Codes of record r of (layer, kv head h): [g·P, code_row_bytes()], token t of the
+  /// group at row t; channel c's code x stands for the cell [min_c + x·step_c,
+  /// min_c + (x + 1)·step_c] of the record's box (detail::code_step).
+  const std::uint8_t* codes(std::int32_t layer, std::int32_t r, std::int32_t h) const {
+    return codes_.data() + hrec(layer, h, r) * static_cast<std::size_t>(p_.group_pages) * page_size_ * code_row_bytes();
   }
 
   /// True when this store keeps rotated boxes (method kRotBox).
@@ -598,15 +638,23 @@ class SketchStore {
           }
           if (ntok > 1) ++rebuilt;  // re-read the group's keys (beyond the newest token)
         }
-        if (rec_count_[ri] == ntok) continue;
-        for (std::int32_t h = 0; h < hkv_; ++h) {
-          for (std::int32_t t = rec_count_[ri]; t < ntok; ++t) {
-            const T* k = view.k_ptr(b, j0 * page_size_ + t, h);
-            add_key(layer, r, h, k, t == 0);
+        if (rec_count_[ri] != ntok) {
+          for (std::int32_t h = 0; h < hkv_; ++h) {
+            for (std::int32_t t = rec_count_[ri]; t < ntok; ++t) {
+              const T* k = view.k_ptr(b, j0 * page_size_ + t, h);
+              add_key(layer, r, h, k, t == 0);
+            }
+            if (parts_.one_pc) refresh_one_pc(layer, r, h);
           }
-          if (parts_.one_pc) refresh_one_pc(layer, r, h);
+          rec_count_[ri] = ntok;
         }
-        rec_count_[ri] = ntok;
+        // kCodes: a full group's box is final, so its keys are coded now (one more read of
+        // the group's K in its life; the group being filled is the last one, always read).
+        if (coded() && ntok == g * page_size_ && coded_[ri] == 0) {
+          for (std::int32_t h = 0; h < hkv_; ++h)
+            code_keys(layer, r, h, [&](std::int32_t t) { return view.k_ptr(b, j0 * page_size_ + t, h); });
+          coded_[ri] = 1;
+        }
       }
     }
     return rebuilt;
@@ -652,7 +700,8 @@ class SketchStore {
 
   /// Summarises a group directly from keys (tests, benchmarks): record for `key` in
   /// `layer`, head h gets keys[0..n) (rows of d floats, stride `stride`). The record counts
-  /// n tokens and lists no pages (select() ignores it unless the page list matches).
+  /// n tokens and lists no pages (select() ignores it unless the page list matches). With
+  /// kCodes and n = g·P, head h's keys are also coded (and the record marked coded).
   template <class T>
   std::int32_t summarise_keys(std::int32_t layer, std::int32_t key, std::int32_t h, const T* keys,
                               std::int32_t n, std::int64_t stride) {
@@ -665,6 +714,10 @@ class SketchStore {
     for (std::int32_t t = 0; t < n; ++t) add_key(layer, r, h, keys + t * stride, t == 0 && rec_count_[rec(layer, r)] == 0);
     if (parts_.one_pc) refresh_one_pc(layer, r, h);
     rec_count_[rec(layer, r)] = n;
+    if (coded() && n == p_.group_pages * page_size_) {
+      code_keys(layer, r, h, [&](std::int32_t t) { return keys + t * stride; });
+      coded_[rec(layer, r)] = 1;
+    }
     return r;
   }
 
@@ -700,6 +753,7 @@ class SketchStore {
   void reset(std::int32_t layer, std::int32_t r) {
     const std::size_t ri = rec(layer, r);
     rec_count_[ri] = 0;
+    if (coded()) coded_[ri] = 0;
     for (std::int32_t h = 0; h < hkv_; ++h) {
       const std::size_t hr = hrec(layer, h, r);
       float* s = data_.data() + hr * static_cast<std::size_t>(lay_.floats);
@@ -781,6 +835,32 @@ class SketchStore {
     }
     for (std::int32_t c = 0; c < d_; ++c) B[used * d_ + c] = static_cast<float>(k[c]);
     s[lay_.fd_used] = static_cast<float>(used + 1);
+  }
+
+  // kCodes: every key of head h's full group r coded on the grid of the record's final box
+  // (key(t): token t's row). code = ⌊(k − min)/step⌋ in double, clamped to [0, 2^bits − 1]:
+  // k lies in its cell, up to the double rounding of that quotient at a cell edge, which
+  // the bound's widening covers (detail::codes_log_mass).
+  template <class KeyFn>
+  void code_keys(std::int32_t layer, std::int32_t r, std::int32_t h, KeyFn&& key) {
+    const std::size_t hr = hrec(layer, h, r);
+    const float* lo = box_min_.data() + hr * d_;
+    const float* hi = box_max_.data() + hr * d_;
+    const std::int32_t levels = 1 << p_.code_bits, n = p_.group_pages * page_size_, rb = code_row_bytes();
+    std::uint8_t* out = codes_.data() + hr * static_cast<std::size_t>(n) * rb;
+    std::fill(out, out + static_cast<std::size_t>(n) * rb, std::uint8_t{0});
+    for (std::int32_t t = 0; t < n; ++t, out += rb) {
+      const auto* k = key(t);
+      for (std::int32_t c = 0; c < d_; ++c) {
+        const double st = detail::code_step(lo[c], hi[c], levels);
+        const double x = (static_cast<double>(to_float(k[c])) - lo[c]) / (st > 0 ? st : 1.0);
+        const std::int32_t code = st > 0 && x > 0 ? static_cast<std::int32_t>(std::min<double>(levels - 1, std::floor(x))) : 0;
+        if (p_.code_bits == 8)
+          out[c] = static_cast<std::uint8_t>(code);
+        else
+          out[c % (d_ / 2)] |= static_cast<std::uint8_t>(c < d_ / 2 ? code : code << 4);
+      }
+    }
   }
 
   // Rotated box: y_j = b_j·k in float (detail::mat_t_vec_f: d rounded products and d
@@ -923,6 +1003,9 @@ class SketchStore {
   std::vector<double> fit_scratch_;         // [2d² + d] covariance, eigenvectors, mean
   std::vector<float> basis_tmp_;            // [d, d] a fitted basis before set_basis
   std::vector<float> rot_work_;             // [2d] a key and its rotation
+  // kCodes only (empty otherwise):
+  std::vector<std::uint8_t> codes_;         // [layers, Hkv, cap, g·P, code_row_bytes]
+  std::vector<std::uint8_t> coded_;         // [layers, cap] codes built
 };
 
 /// Upper and lower bounds on the logits q·k of one group for one query (see the file
@@ -1174,6 +1257,124 @@ inline void rot_bounds(const float* rmin /* [groups, d] */, const float* rmax /*
 }
 }  // namespace detail
 
+namespace detail {
+/// kCodes: Σ_c a_c·x_c over one token's codes x (8 or 4 bits, SketchStore::codes layout)
+/// in float, 16 lanes per code half (lane j takes channels c ≡ j mod 16, the tail lane 0),
+/// then the lanes (and the halves) added pairwise in float: every product passes through
+/// at most d/16 + 16 + 5 < d/8 + 17 roundings, so |error| <= float_sum_slack(d)·Σ_c |a_c|·x_c.
+/// Written lane-wise so the compiler vectorises it (a serial double sum of the 32 lanes
+/// cost more than the products).
+template <int kBits>
+inline double codes_dot(const float* a /* [d] */, const std::uint8_t* row /* [d·kBits/8] */, std::int32_t d) {
+  float lo[16] = {}, hi[16] = {};
+  const std::int32_t n = kBits == 8 ? d : d / 2;  // bytes
+  std::int32_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      const std::uint32_t x = row[i + j];
+      if (kBits == 8) {
+        lo[j] += a[i + j] * static_cast<float>(x);
+      } else {
+        lo[j] += a[i + j] * static_cast<float>(x & 15u);
+        hi[j] += a[i + j + n] * static_cast<float>(x >> 4);
+      }
+    }
+  for (; i < n; ++i) {
+    const std::uint32_t x = row[i];
+    if (kBits == 8) {
+      lo[0] += a[i] * static_cast<float>(x);
+    } else {
+      lo[0] += a[i] * static_cast<float>(x & 15u);
+      hi[0] += a[i + n] * static_cast<float>(x >> 4);
+    }
+  }
+  for (int j = 0; j < 16; ++j) lo[j] += hi[j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lo[j] += lo[j + w];
+  return lo[0];
+}
+
+/// kCodes: certified bounds on the log softmax mass log Σ_t exp(s·q·k_t) of one coded group
+/// (ntok tokens) for query q. Channel c's code x puts k_c in [lo_c + x·st_c, lo_c + (x+1)·st_c]
+/// (st = code_step of the box [lo, hi]), so with a_c = q_c·st_c, in reals,
+///   q·k_t <= U_t = Σ_c (q_c·lo_c + max(a_c, 0)) + Σ_c a_c·x_tc,   q·k_t >= U_t − Σ_c |a_c|:
+/// a box bound on the token's own cell (2^bits cells a channel instead of one). The base
+/// sum is formed in double (products of floats exact; double_dot_slack), Σ a·x in float
+/// (codes_dot) from a rounded to float (<= 2⁻²⁴|a| each), and each cell is widened by
+/// 2⁻⁴⁰(|lo| + 2^bits·st) for a code the coder's double quotient put one cell off at an
+/// edge. `slack` collects all three. Then with M = max_t U_t:
+///   hi = s·M + log Σ_t exp(s(U_t − M))                          >= log Σ exp(s·q·k)
+///   lo = hi − s·(Σ|a| + 2·slack)  (every token's lower bound is U_t − gap, one gap a group)
+/// each with a 1e-12 relative margin for exp and log. a: [d], dots: [ntok] work.
+template <class T>
+inline void codes_log_mass(const float* lo /* [d] */, const float* hi /* [d] */, const std::uint8_t* codes /* [ntok, row] */,
+                           std::int32_t ntok, std::int32_t d, std::int32_t bits, const T* q /* [d] */, double scale,
+                           float* a /* [d] */, double* dots /* [ntok] */, double* log_hi, double* log_lo) {
+  const std::int32_t levels = 1 << bits, rb = bits == 8 ? d : d / 2;
+  // Per channel, in 16 float lanes (vectorised): the base Σ q·lo + max(a, 0), and the
+  // magnitudes Σ(|q·lo| + |a|), Σ|a|, Σ|q|(|lo| + levels·st) that bound its rounding.
+  // Every sum passes through < 2d/8 + 17 roundings (d/16 + 15 in a lane, 4 pairwise), so the
+  // base errs by <= float_sum_slack(2d)·mag (one more 2⁻²⁴ for each product), and each
+  // magnitude (a sum of non-negative terms) is low by at most that fraction, so
+  // ×(1 + 2·float_sum_slack(2d) + 2⁻²²) makes it an upper bound.
+  float lb[16] = {}, lm[16] = {}, la[16] = {}, lw[16] = {};
+  auto channel = [&](std::int32_t c, int j) {
+    const float qc = to_float(q[c]);
+    const float st = code_step(lo[c], hi[c], levels);
+    const float ql = qc * lo[c], qa = qc * st;
+    a[c] = qa;
+    lb[j] += ql + (qa > 0.f ? qa : 0.f);
+    lm[j] += std::fabs(ql) + std::fabs(qa);
+    la[j] += std::fabs(qa);
+    lw[j] += std::fabs(qc) * (std::fabs(lo[c]) + static_cast<float>(levels) * st);
+  };
+  std::int32_t c0 = 0;
+  for (; c0 + 16 <= d; c0 += 16)
+    for (int j = 0; j < 16; ++j) channel(c0 + j, j);
+  for (std::int32_t c = c0; c < d; ++c) channel(c, static_cast<int>(c - c0));
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) {
+      lb[j] += lb[j + w];
+      lm[j] += lm[j + w];
+      la[j] += la[j + w];
+      lw[j] += lw[j + w];
+    }
+  const double up = 1 + 2 * float_sum_slack(2 * d) + 0x1p-22;
+  const double mag = lm[0] * up, sabs = la[0] * up, wide = lw[0] * up;
+  const double base = lb[0];
+  // a_c = fl(q_c·st_c) is within 2⁻²⁴|a_c| of the real product (2⁻²³ with the products
+  // in the codes' sums); the cell widening is 2⁻⁴⁰·wide; 1e-30 covers products that
+  // underflow.
+  const double slack = (float_sum_slack(d) + 0x1p-23) * (levels - 1) * sabs + (float_sum_slack(2 * d) + 0x1p-23) * mag +
+                       0x1p-40 * wide + 1e-30;
+  const double gap = sabs * (1 + 0x1p-22) + 2 * slack;  // >= Σ|q_c·st_c| exact
+  double M = -std::numeric_limits<double>::infinity();
+  for (std::int32_t t = 0; t < ntok; ++t) {
+    dots[t] = bits == 8 ? codes_dot<8>(a, codes + static_cast<std::size_t>(t) * rb, d)
+                        : codes_dot<4>(a, codes + static_cast<std::size_t>(t) * rb, d);
+    M = std::max(M, dots[t]);
+  }
+  double sum = 0;
+  for (std::int32_t t = 0; t < ntok; ++t) sum += std::exp(scale * (dots[t] - M));
+  const double top = scale * (base + M + slack), ls = std::log(sum);
+  const double margin = 1e-12 * (1 + std::fabs(top) + std::fabs(ls) + scale * gap);
+  *log_hi = top + ls + margin;
+  *log_lo = top + ls - scale * gap - margin;
+}
+}  // namespace detail
+
+/// kCodes bounds of record r of (layer, kv head h) for query q (what select() computes):
+/// {log-mass upper, log-mass lower} of the group's tokens (softmax scale `scale`); a: [d]
+/// work. Requires store.has_codes(layer, r). a: [d], dots: [g·P] work.
+template <class T>
+inline void codes_bounds(const SketchStore& store, std::int32_t layer, std::int32_t r, std::int32_t h, const T* q /* [d] */,
+                         double scale, float* a /* [d] */, double* dots /* [g·P] */, double* log_hi, double* log_lo) {
+  const std::int32_t d = store.head_dim(), ntok = store.params().group_pages * store.page_size();
+  detail::codes_log_mass(store.box_min(layer, h) + static_cast<std::size_t>(r) * d,
+                         store.box_max(layer, h) + static_cast<std::size_t>(r) * d, store.codes(layer, r, h), ntok, d,
+                         store.params().code_bits, q, scale, a, dots, log_hi, log_lo);
+}
+
 /// Rotated-box bound of record r of (layer, kv head h) for a query rotated by
 /// detail::rotate_query (same arithmetic as the pre-pass); +inf when the record has none.
 inline double rot_bound(const SketchStore& store, std::int32_t layer, std::int32_t r, std::int32_t h,
@@ -1327,6 +1528,7 @@ struct WalkResult {
   std::int32_t visited = 0;  // groups taken: out[0..visited)
   std::int32_t scored = 0;   // groups whose keys were read (mass() calls)
   double omitted = 0;        // omitted-mass bound T/(T + S) at the stop
+  double tail = 0;           // T: the bound on the omitted mass (relative units)
 };
 
 /// The pre-pass's certified ε rule over n candidate groups: positions 0..n-1 with
@@ -1463,6 +1665,54 @@ WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */
   return finish(T);
 }
 
+/// kCodes' ε rule: no keys are read. s0 is a certified lower bound of the softmax
+/// denominator (relative to ref) that already counts every candidate's lower mass bound,
+/// so the walk only finds the first rank i (decreasing ub, ties by position, as
+/// certified_walk) with tail_bound(T_i) <= ε·s0, or lim. Quickselect on the exact tail
+/// sums (monotone in i), then a sort of the last <= 16 candidates. ord, out: [n]
+/// workspace; out[0..visited) = the visited positions, in no particular order.
+/// omitted = T/s0 (>= M_Ω/Z as Z >= s0); the caller may tighten it with the lower
+/// bound of the visited groups alone (T/(T + S_visited)).
+inline WalkResult bound_walk(const double* ub /* [n] */, const Mass128* w /* [n] */, Mass128 W, std::int32_t n, double s0,
+                             double eps, std::int32_t lim, std::int32_t* ord /* [n] */, std::int32_t* out /* [n] */) {
+  WalkResult res;
+  lim = std::max<std::int32_t>(0, std::min(lim, n));
+  for (std::int32_t i = 0; i < n; ++i) ord[i] = i;
+  auto before = [&](std::int32_t a, std::int32_t b) { return ub[a] > ub[b] || (ub[a] == ub[b] && a < b); };
+  auto stop = [&](std::int32_t p, const Mass128& Tp) { return p >= lim || tail_bound(Tp) <= eps * s0; };
+  Mass128 T = W;
+  std::int32_t at = 0;
+  if (!stop(0, T)) {
+    std::int32_t lo = 0, hi = n;  // the answer is in (lo, hi]; T = T_lo
+    while (hi - lo > 16) {
+      const std::int32_t m = lo + (hi - lo) / 2;
+      std::nth_element(ord + lo, ord + m, ord + hi, before);
+      Mass128 Tm = T;
+      for (std::int32_t i = lo; i <= m; ++i) Tm.sub(w[ord[i]]);
+      if (stop(m + 1, Tm)) {
+        hi = m + 1;
+      } else {
+        lo = m + 1;
+        T = Tm;
+      }
+    }
+    std::sort(ord + lo, ord + hi, before);
+    at = hi;
+    for (std::int32_t p = lo; p < hi; ++p) {
+      T.sub(w[ord[p]]);
+      if (stop(p + 1, T)) {
+        at = p + 1;
+        break;
+      }
+    }
+  }
+  for (std::int32_t p = 0; p < at; ++p) out[p] = ord[p];
+  res.visited = at;
+  res.tail = tail_bound(T);
+  res.omitted = res.tail > 0 ? std::min(1.0, res.tail / s0) : 0.0;
+  return res;
+}
+
 }  // namespace detail
 
 /// Decode-time pre-pass: page subsets per (sequence, kv head) for the page-subset variant
@@ -1501,6 +1751,10 @@ class SketchSelector {
     qrot_.assign(store_->rotated() ? grp * d : 0, 0.f);
     rq_.assign(store_->rotated() ? grp : 0, detail::RotQuery{});
     rwork_.assign(store_->rotated() ? 2 * static_cast<std::size_t>(d) : 0, 0.0);
+    chi_.assign(store_->coded() ? grp * groups : 0, 0.0);
+    clo_.assign(store_->coded() ? grp * groups : 0, 0.0);
+    awork_.assign(store_->coded() ? static_cast<std::size_t>(d) : 0, 0.f);
+    dwork_.assign(store_->coded() ? static_cast<std::size_t>(g) * store_->page_size() : 0, 0.0);
     z_.assign(static_cast<std::size_t>(store_->params().jl_dim), 0.0);
     omitted_.assign(static_cast<std::size_t>(max_batch) * num_qo_heads, 0.0);
   }
@@ -1577,6 +1831,20 @@ class SketchSelector {
             detail::rot_bounds(st.rot_min(layer, h), st.rot_max(layer, h), st.rot_amax_norm(layer, h),
                                st.max_norm(layer, h), crec_.data(), nc, d, qrot_.data(), rq_.data(), grp,
                                cert_.data(), nc);
+          }
+          if (st.coded()) {  // kCodes: per-token log-mass bounds, a group's codes read once for all query heads
+            for (std::int32_t i = 0; i < nc; ++i)
+              for (std::int32_t gq = 0; gq < grp; ++gq) {
+                double& hi = chi_[static_cast<std::size_t>(gq) * nc + i];
+                double& lo = clo_[static_cast<std::size_t>(gq) * nc + i];
+                if (st.has_codes(layer, crec_[i])) {
+                  codes_bounds(st, layer, crec_[i], h, qbuf_.data() + static_cast<std::size_t>(gq) * d, scale,
+                               awork_.data(), dwork_.data(), &hi, &lo);
+                } else {
+                  hi = std::numeric_limits<double>::infinity();
+                  lo = -std::numeric_limits<double>::infinity();
+                }
+              }
           }
           for (std::int32_t gq = 0; gq < grp; ++gq) select_head(layer, view, b, h, gq, num_qo_heads, nc, len, scale,
                                                                 log_full, need, t);
@@ -1660,6 +1928,7 @@ class SketchSelector {
         u = upper_bound(p, gb);
       }
       ub_[i] = (ntok == g * P ? log_full : std::log(static_cast<double>(ntok))) + scale * u;
+      if (st.coded()) ub_[i] = std::min(ub_[i], chi_[static_cast<std::size_t>(gq) * nc + i]);
       ref = std::max(ref, ub_[i]);
     }
     if (!(S > 0) || !std::isfinite(mx)) {  // nothing always visited: visit everything
@@ -1674,6 +1943,21 @@ class SketchSelector {
       W.add(w_[i]);
     }
     const std::int32_t lim = p.top_pages > 0 ? std::min(nc, std::max(1, p.top_pages / g)) : nc;
+    if (st.coded()) {
+      // Z >= the always-visited mass + every candidate's lower bound: the walk needs no keys.
+      double s0 = S * std::exp(mx - ref);
+      for (std::int32_t i = 0; i < nc; ++i) s0 += std::exp(clo_[static_cast<std::size_t>(gq) * nc + i] - ref) * (1 - 0x1p-50);
+      const detail::WalkResult r = detail::bound_walk(ub_.data(), w_.data(), W, nc, s0, p.eps, lim, ord_.data(), out_.data());
+      // The omitted fraction M_Ω/Z: <= T/s0, and <= T/(T + S_vis) with S_vis the lower
+      // bound of what is read (not T/(T + s0): s0 also counts the skipped groups' mass).
+      double s_vis = S * std::exp(mx - ref);
+      for (std::int32_t k = 0; k < r.visited; ++k) {
+        visit_[cand_[out_[k]]] = 1;
+        s_vis += std::exp(clo_[static_cast<std::size_t>(gq) * nc + out_[k]] - ref) * (1 - 0x1p-50);
+      }
+      omitted = r.tail > 0 ? std::min(r.omitted, r.tail / (r.tail + s_vis)) : 0.0;
+      return;
+    }
     const std::int32_t cap = detail::score_limit(p.score_budget, p.score_fraction, nc);
     const detail::WalkResult r = detail::certified_walk(
         ub_.data(), w_.data(), W, nc, S * std::exp(mx - ref), p.eps, lim, cap, ord_.data(), out_.data(),
@@ -1746,6 +2030,9 @@ class SketchSelector {
   std::vector<float> qrot_;                 // [grp, d] rotated queries (kRotBox)
   std::vector<detail::RotQuery> rq_;        // [grp]
   std::vector<double> rwork_;               // [2d] rotate_query's work
+  std::vector<double> chi_, clo_;           // [grp, groups] kCodes log-mass bounds (upper, lower)
+  std::vector<float> awork_;                // [d] codes_log_mass's a
+  std::vector<double> dwork_;               // [g·P] codes_log_mass's token dots
 };
 
 }  // namespace sketch
