@@ -533,6 +533,62 @@ TEST_CASE("eps: summaries follow page events (rewrite, release) and appends", "[
   box_ok(1, 2);
 }
 
+TEST_CASE("eps codes: every coded key lies in its cell; codes follow rewrites and wait for a group to fill", "[eps]") {
+  KVKIT_TEST_RNG(rng);
+  PoolSpec spec;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 16;
+  spec.page_size = 4;
+  spec.seq_lens = {37, 20};
+  for (std::int32_t bits : {4, 8}) {
+    RandomPool<half_t> pool(spec, rng);
+    sk::SketchParams p;
+    p.method = sk::SketchMethod::kCodes;
+    p.code_bits = bits;
+    p.group_pages = 2;
+    sk::SketchStore store(p, 1, 2, 16, 4, pool.geometry.num_pages);
+    store.sync(0, pool.view);
+    // The cell of token t, channel c: [min_c + x·step_c, min_c + (x + 1)·step_c].
+    auto cells_ok = [&](std::int32_t b, std::int32_t j0) {
+      const std::int32_t r = store.record_of(0, pool.view.page_id(b, j0));
+      REQUIRE(r >= 0);
+      REQUIRE(store.has_codes(0, r));
+      for (std::int32_t h = 0; h < 2; ++h) {
+        const float* lo = store.box_min(0, h) + static_cast<std::size_t>(r) * 16;
+        const float* hi = store.box_max(0, h) + static_cast<std::size_t>(r) * 16;
+        const std::uint8_t* row = store.codes(0, r, h);
+        for (std::int32_t t = 0; t < 8; ++t, row += store.code_row_bytes())
+          for (std::int32_t c = 0; c < 16; ++c) {
+            const std::int32_t x = bits == 8 ? row[c] : (c < 8 ? row[c] & 15 : row[c - 8] >> 4);
+            const double st = sk::detail::code_step(lo[c], hi[c], 1 << bits);
+            const double k = kvkit::to_float(pool.view.k_ptr(b, j0 * 4 + t, h)[c]);
+            CAPTURE(bits, b, j0, t, c, x, st, k);
+            REQUIRE(k >= lo[c] + x * st - 1e-12 * std::fabs(k));
+            REQUIRE(k <= lo[c] + (x + 1) * st + 1e-12 * std::fabs(k));
+          }
+      }
+    };
+    for (std::int32_t j0 = 0; j0 < 8; j0 += 2) cells_ok(0, j0);
+    cells_ok(1, 0);
+    cells_ok(1, 2);
+    // Sequence 0's last group (37 tokens: page 8 holds 4, page 9 one) is not full: no codes.
+    const std::int32_t last = store.record_of(0, pool.view.page_id(0, 8));
+    REQUIRE(last >= 0);
+    REQUIRE_FALSE(store.has_codes(0, last));
+    // A rewrite with larger keys: the record is rebuilt and recoded on the new box.
+    for (std::int32_t t = 0; t < 4; ++t)
+      for (std::int32_t c = 0; c < 16; ++c) pool.view.k_ptr(0, 4 + t, 1)[c] = kvkit::from_float<half_t>(5.f + c);
+    store.page_changed(pool.view.page_id(0, 1));
+    REQUIRE(store.sync(0, pool.view) == 1);
+    cells_ok(0, 0);
+    // Filling the last group (3 more tokens) codes it.
+    pool.last_page_len[0] += 3;
+    store.sync(0, pool.view);
+    REQUIRE(store.has_codes(0, last));
+    cells_ok(0, 8);
+  }
+}
+
 TEST_CASE("eps: page-subset attention over all pages equals dense; strict subsets stay within 2*eps", "[eps]") {
   KVKIT_TEST_RNG(rng);
   for (int rep = 0; rep < 4; ++rep) {

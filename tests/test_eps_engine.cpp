@@ -34,9 +34,10 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 }  // namespace
 
-TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][engine]") {
+TEST_CASE("eps engine: strict pre-pass decoding matches the full cache (box, FD, codes)", "[eps][engine]") {
   for (const test::NamedModel& nm : test::synthetic_and_stories()) {
-    for (sketch::SketchMethod method : {sketch::SketchMethod::kBox, sketch::SketchMethod::kFD}) {
+    std::int64_t box_visited = 0;
+    for (sketch::SketchMethod method : {sketch::SketchMethod::kBox, sketch::SketchMethod::kFD, sketch::SketchMethod::kCodes}) {
       CAPTURE(nm.name, sketch::to_string(method));
       EngineOptions o;
       o.page_size = 8;
@@ -68,8 +69,13 @@ TEST_CASE("eps engine: strict pre-pass decoding matches the full cache", "[eps][
       REQUIRE(t.pages_total > 0);
       REQUIRE(t.pages_visited <= t.pages_total);
       REQUIRE(t.certified_omitted_max <= p.eps * (1 + 1e-9));
-      REQUIRE(worst < 0.05);
+      // Each head's omitted mass is <= eps; the logits drift with how often that budget is
+      // spent. codes skips ~5x the pages the box does here (stories260K: 3.2 % vs 0.7 %)
+      // and drifts up to 0.09 (box and FD: 0.029), so its bound is wider.
+      REQUIRE(worst < (method == sketch::SketchMethod::kCodes ? 0.15 : 0.05));
       if (nm.name == "stories260K") REQUIRE(t.pages_visited < t.pages_total);  // pages were skipped
+      if (method == sketch::SketchMethod::kBox) box_visited = t.pages_visited;
+      if (method == sketch::SketchMethod::kCodes) REQUIRE(t.pages_visited < box_visited);  // per-token bounds skip more
       REQUIRE(eng.pool_bytes("eps_summaries") == pol.store()->memory_bytes());
       REQUIRE(eng.kv_bytes_in_use() == eng.pages_bytes(eng.pages_in_use()) + pol.store()->memory_bytes());
     }

@@ -4,9 +4,10 @@
 // the pages decode attention reads.
 //
 //   --strict             certified bounds only (box, norm; FD with --method fd, the
-//                        rotated box with --method rbox)
+//                        rotated box with --method rbox, per-token codes with --method codes)
 //   --eps E              omitted softmax mass budget in (0, 1) (default 1e-3)
-//   --method M           box | jl | 1pc | fd | rbox (default box)
+//   --method M           box | jl | 1pc | fd | rbox | codes (default box)
+//   --code-bits b        bits per key channel of --method codes: 4 or 8 (default 4)
 //   --group-pages g      pages per summarised group (default 1)
 //   --last-n n           newest groups always read (default 1)
 //   --top-pages N        cap on pages read beyond the last groups (default 0: none)
@@ -38,18 +39,20 @@ inline PolicyEntry eps_policy_entry() {
     double eps = 1e-3, alpha = 1.1;
     std::string method = "box";
     std::string summaries = "all";
-    std::int32_t group_pages = 1, last_n = 1, top_pages = 0, jl_dim = 8, fd_rows = 8, score_budget = 0;
+    std::int32_t group_pages = 1, last_n = 1, top_pages = 0, jl_dim = 8, fd_rows = 8, score_budget = 0, code_bits = 4;
     double score_fraction = sketch::SketchParams{}.score_fraction;
   };
   auto o = std::make_shared<Opts>();
   PolicyEntry e;
   e.names = {"eps"};
   e.option_names = {"--strict", "--eps", "--method", "--group-pages", "--last-n",
-                    "--top-pages", "--jl-dim", "--fd-rows", "--alpha", "--score-budget", "--score-fraction", "--summaries"};
+                    "--top-pages", "--jl-dim", "--fd-rows", "--alpha", "--score-budget", "--score-fraction", "--summaries", "--code-bits"};
   e.add_options = [o](CLI::App& g) {
     g.add_flag("--strict", o->strict, "eps: certified bounds only (omitted softmax mass <= --eps, guaranteed)");
     g.add_option("--eps", o->eps, "eps: omitted softmax mass budget in (0, 1) (default 1e-3)");
-    g.add_option("--method", o->method, "eps: summary that bounds the groups: box | jl | 1pc | fd | rbox (default box)");
+    g.add_option("--method", o->method,
+                 "eps: summary that bounds the groups: box | jl | 1pc | fd | rbox | codes (default box)");
+    g.add_option("--code-bits", o->code_bits, "eps: bits per key channel of --method codes, 4 or 8 (default 4)");
     g.add_option("--group-pages", o->group_pages, "eps: pages per summarised group (default 1)");
     g.add_option("--last-n", o->last_n, "eps: newest groups always read (default 1)");
     g.add_option("--top-pages", o->top_pages, "eps: cap on pages read beyond the newest groups (default 0: none)");
@@ -81,6 +84,7 @@ inline PolicyEntry eps_policy_entry() {
     p.score_budget = o->score_budget;
     p.score_fraction = o->score_fraction;
     p.all_summaries = o->summaries == "all";
+    p.code_bits = o->code_bits;
     return std::make_unique<engine::EpsPolicy>(p, name);
   };
   return e;

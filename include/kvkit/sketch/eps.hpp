@@ -21,6 +21,11 @@
 //            within-page covariance of at most kBasisFitKeys keys of the first sync()
 //            that sees basis_keys tokens, or set_basis(); once fixed it never changes, so
 //            summaries stay valid)
+//   codes    (method kCodes only) every key of a full group coded channel by channel on
+//            2^bits cells of the group's own box (code_bits 4 or 8), so each token keeps
+//            its own little box: one cell per channel      g·P·d·bits/8 bytes
+//            (coded once, when the group is full and its box final: one more read of
+//            its K; the group being filled is the newest, which is always read)
 // Bounds on the largest logit max_i q·k_i of a group:
 //   certified: box  Σ_d max(q_d·min_d, q_d·max_d);  norm ‖q‖·max‖k‖;
 //              FD   q·c + sqrt(‖Bq‖² + Δ‖q‖²) ≥ q·c + ‖K_c q‖₂ ≥ max_i q·k_i
@@ -33,6 +38,11 @@
 //                   biased upward by ~‖K‖_F‖q‖/√m)
 //              1-PC q·c + sqrt(λ₁)|u₁·q| + r‖q‖
 // A lower bound on every logit is the box's Σ_d min(q_d·min_d, q_d·max_d).
+// Bounds on a group's softmax mass Σ_i exp(s·q·k_i) (kCodes, certified; detail::codes_log_mass):
+//   per token the box bound of its own cells, U_i = Σ_c (q_c·min_c + max(a_c, 0)) + Σ_c a_c·x_ic
+//   with a_c = q_c·step_c, and the matching lower bound U_i − Σ_c|a_c|; the group's mass lies
+//   in [Σ_i exp(s(U_i − Σ|a|)), Σ_i exp(s·U_i)]. A max-logit bound charges every token of a
+//   group with the largest logit; these charge each token with its own.
 //
 // Pre-pass, per (sequence b, query head): the last `last_n` groups (and any group without a
 // valid summary) are always visited and their logits computed exactly, giving the mass
@@ -44,7 +54,10 @@
 // skipped token has softmax weight <= ε, and the reported omitted-mass bound
 // ΣA_Ω / (ΣA_Ω + S) >= M_Ω / Z. (The seed's rule "skip when B_p < T/α", which compares
 // bounds with bounds, is not sound and is not implemented.) Strict mode uses certified
-// bounds only: min(box, norm), and also FD with method kFD, the rotated box with kRotBox. Default mode uses
+// bounds only: min(box, norm), and also FD with method kFD, the rotated box with kRotBox. With kCodes
+// the mass bound of a coded group is min(n_j·exp(s·U_j), its codes' upper mass), and S also
+// counts every candidate's lower mass bound (Z >= the always-visited mass + Σ_j lower_j), so the
+// walk reads no keys (detail::bound_walk: the first rank where Σ A_j <= ε·S). Default mode uses
 // min(certified, α·estimate) for kJL / kOnePC and its omitted bound is then an estimate.
 // top_pages caps the pages visited beyond the always-visited ones (when the cap cuts,
 // the ε guarantee is void but the reported bound still holds). GQA: a kv head reads the
@@ -69,7 +82,9 @@
 // covariance and its Jacobi eigenvectors). Measured (bench_eps): the rotated box is
 // 0.15 nats tighter than min(box, norm) on the synthetic needle traces and 0.9 nats on
 // stories260K, too little to change the pages the ε rule visits at ε = 1e-3, where even
-// the exact per-page max logit would save only ~15 %.
+// the exact per-page max logit would save only ~15 %. kCodes: per candidate group and
+// query head d float products per token on the codes (g·P·d·bits/8 bytes read, no K) and
+// one exp per token; on the K-write path one read of each full group's keys.
 //
 // Storage: a group is identified by the physical id of its first page; its record r owns
 // row r of each per-(layer, kv head) component array: box min / max [groups, d], max‖k‖
