@@ -402,9 +402,9 @@ TEST_CASE("eps codes: the per-token log-mass bounds bracket the float64 mass, wi
           cells += std::fabs(q[c]) * (mxc - mn) / (1 << bits);
           mag += std::fabs(q[c]) * (std::fabs(mn) + (mxc - mn) / (1 << bits));
         }
-        // (+ the rounding slack on each side: (float_sum_slack(d) + 2⁻²³)·(2^bits − 1)·Σ|a|
+        // (+ the rounding slack on each side: (codes_seq_slack(d) + 2⁻²³)·(2^bits − 1)·Σ|a|
         // for the codes' sums, (float_sum_slack(2d) + 2⁻²³)·Σ|q|(|min| + step) for the base)
-        const double tol = 2.2 * (sk::detail::float_sum_slack(d) + 0x1p-23) * ((1 << bits) - 1) +
+        const double tol = 2.2 * (sk::detail::codes_seq_slack(d) + 0x1p-23) * ((1 << bits) - 1) +
                            3 * sk::detail::float_sum_slack(2 * d);
         const double tol_base = 2.2 * (sk::detail::float_sum_slack(2 * d) + 0x1p-23) * mag;
         REQUIRE(hi - lo <= scale * (cells * (1 + tol) + tol_base) + 1e-9);
@@ -414,14 +414,13 @@ TEST_CASE("eps codes: the per-token log-mass bounds bracket the float64 mass, wi
     }
 }
 
-TEST_CASE("eps codes: bad code_bits and odd head_dim at 4 bits throw naming the value; memory counts the codes",
+TEST_CASE("eps codes: bad code_bits throw naming the value; memory counts the codes",
           "[eps]") {
   sk::SketchParams p;
   p.method = sk::SketchMethod::kCodes;
   p.code_bits = 3;
   REQUIRE_THROWS_WITH(p.validate(), Catch::Contains("code_bits must be 4 or 8, got 3"));
   p.code_bits = 4;
-  REQUIRE_THROWS_WITH(sk::SketchStore(p, 1, 1, 7, 4, 4), Catch::Contains("even head_dim, got 7"));
   REQUIRE(sk::parse_method("codes") == sk::SketchMethod::kCodes);
   REQUIRE(std::string(sk::to_string(sk::SketchMethod::kCodes)) == "codes");
   for (std::int32_t bits : {4, 8}) {
@@ -432,8 +431,9 @@ TEST_CASE("eps codes: bad code_bits and odd head_dim at 4 bits throw naming the 
     REQUIRE(st.memory_bytes() == 0);
     std::vector<float> k(8 * 16, 1.f);
     st.summarise_keys(0, 0, 0, k.data(), 8, 16);
-    // One record, 2 kv heads: box + scalars + 8 tokens x 16 channels x bits / 8.
-    REQUIRE(st.memory_bytes() == 2 * (8 * 16 + 12 + 8 * 16 * bits / 8));
+    // One record, 2 kv heads: box + scalars + one block of 16 tokens (8 used, the rest
+    // padding) x 16 channels x bits / 8.
+    REQUIRE(st.memory_bytes() == 2 * (8 * 16 + 12 + 16 * 16 * bits / 8));
   }
 }
 
@@ -556,10 +556,9 @@ TEST_CASE("eps codes: every coded key lies in its cell; codes follow rewrites an
       for (std::int32_t h = 0; h < 2; ++h) {
         const float* lo = store.box_min(0, h) + static_cast<std::size_t>(r) * 16;
         const float* hi = store.box_max(0, h) + static_cast<std::size_t>(r) * 16;
-        const std::uint8_t* row = store.codes(0, r, h);
-        for (std::int32_t t = 0; t < 8; ++t, row += store.code_row_bytes())
+        for (std::int32_t t = 0; t < 8; ++t)
           for (std::int32_t c = 0; c < 16; ++c) {
-            const std::int32_t x = bits == 8 ? row[c] : (c < 8 ? row[c] & 15 : row[c - 8] >> 4);
+            const std::int32_t x = sk::detail::code_at(store.codes(0, r, h), 16, bits, t, c);
             const double st = sk::detail::code_step(lo[c], hi[c], 1 << bits);
             const double k = kvkit::to_float(pool.view.k_ptr(b, j0 * 4 + t, h)[c]);
             CAPTURE(bits, b, j0, t, c, x, st, k);

@@ -207,10 +207,16 @@ inline SummaryParts summary_parts(const SketchParams& p) {
           p.method == SketchMethod::kOnePC};
 }
 
+namespace detail {
+/// kCodes: blocks of 16 tokens in a group of ntok, and bytes of one block (code_at's layout).
+inline std::int32_t code_blocks(std::int32_t ntok) { return (ntok + 15) / 16; }
+inline std::int32_t code_block_bytes(std::int32_t d, std::int32_t bits) { return d * (bits == 8 ? 16 : 8); }
+}  // namespace detail
+
 /// Summary bytes of one (layer, kv head, group), per component (seed §7/§17 formulas).
 /// `rot`: the rotated box of kRotBox (8d + 4 bytes; its basis, 4d² per (layer, kv head),
 /// is counted by SketchStore::memory_bytes()). `codes`: kCodes' per-token key codes,
-/// g·P·d·bits/8 bytes (the grid is the box, so codes add nothing else).
+/// ⌈g·P/16⌉·16·d·bits/8 bytes (the grid is the box, so codes add nothing else).
 struct SummaryBytes {
   std::int64_t box = 0, scalars = 0, jl = 0, fd = 0, one_pc = 0, rot = 0, codes = 0;
   std::int64_t total() const { return box + scalars + jl + fd + one_pc + rot + codes; }
@@ -230,7 +236,7 @@ inline SummaryBytes summary_bytes(std::int32_t head_dim, std::int32_t m, std::in
 inline SummaryBytes summary_bytes(const SketchParams& p, std::int32_t head_dim, std::int32_t page_size = 0) {
   SummaryBytes b = summary_bytes(head_dim, p.jl_dim, p.fd_rows, p.method == SketchMethod::kRotBox);
   if (p.method == SketchMethod::kCodes)
-    b.codes = static_cast<std::int64_t>(p.group_pages) * page_size * head_dim * p.code_bits / 8;
+    b.codes = static_cast<std::int64_t>(detail::code_blocks(p.group_pages * page_size)) * detail::code_block_bytes(head_dim, p.code_bits);
   const SummaryParts k = summary_parts(p);
   if (!k.jl) b.jl = 0;
   if (!k.fd) b.fd = 0;
@@ -319,6 +325,20 @@ inline float code_step(float lo, float hi, std::int32_t levels) {
   if (!(hi > lo)) return 0.f;
   const float st = (hi - lo) * (1.f / static_cast<float>(levels)) * (1.f + 0x1p-20f);
   return st < 0x1p-100f ? 0x1p-100f : st;
+}
+
+/// kCodes layout of one group's codes (one kv head): its tokens in blocks of 16, and in a
+/// block, channel by channel, the 16 tokens' codes: 16 bytes at 8 bits (token j of the
+/// block at byte j), 8 bytes at 4 bits (token j in the low nibble of byte j, token j + 8
+/// in the high one). Channel-major, so the bound scores 16 tokens at once, one channel a
+/// step, with no sum across vector lanes. A partial last block is padded with zeros.
+// (code_blocks, code_block_bytes: above, before summary_bytes)
+/// Code of token t, channel c in a group's codes (the layout above).
+inline std::int32_t code_at(const std::uint8_t* codes, std::int32_t d, std::int32_t bits, std::int32_t t, std::int32_t c) {
+  const std::uint8_t* blk = codes + static_cast<std::size_t>(t / 16) * code_block_bytes(d, bits);
+  const std::int32_t j = t % 16;
+  if (bits == 8) return blk[c * 16 + j];
+  return j < 8 ? (blk[c * 8 + j] & 15) : (blk[c * 8 + j - 8] >> 4);
 }
 
 /// y = Bᵀx in float, the same loop as mat_t_vec (the K-write path: 8 lanes a step).
@@ -441,8 +461,7 @@ class SketchStore {
       rot_work_.assign(2 * static_cast<std::size_t>(d_), 0.f);
     }
     if (coded()) {
-      KVKIT_CHECK(p_.code_bits == 8 || d_ % 2 == 0, "kvkit: 4-bit sketch codes need an even head_dim, got ", d_);
-      codes_.assign(recs * hkv_ * static_cast<std::size_t>(p_.group_pages) * page_size_ * code_row_bytes(), 0);
+      codes_.assign(recs * hkv_ * static_cast<std::size_t>(code_group_bytes()), 0);
       coded_.assign(recs, 0);
     }
   }
@@ -486,16 +505,17 @@ class SketchStore {
 
   /// True when this store keeps per-token key codes (method kCodes).
   bool coded() const { return p_.method == SketchMethod::kCodes; }
-  /// Bytes of one token's codes for one kv head: d (8 bits) or d/2 (4 bits: byte i holds
-  /// channel i in its low nibble and channel i + d/2 in its high one).
-  std::int32_t code_row_bytes() const { return p_.code_bits == 8 ? d_ : d_ / 2; }
+  /// Bytes of one group's codes for one kv head (detail::code_blocks layout).
+  std::int32_t code_group_bytes() const {
+    return detail::code_blocks(p_.group_pages * page_size_) * detail::code_block_bytes(d_, p_.code_bits);
+  }
   /// True when record r of `layer` has its codes (built once its group is full).
   bool has_codes(std::int32_t layer, std::int32_t r) const { return coded() && coded_[rec(layer, r)] != 0; }
-  /// Codes of record r of (layer, kv head h): [g·P, code_row_bytes()], token t of the
-  /// group at row t; channel c's code x stands for the cell [min_c + x·step_c,
-  /// min_c + (x + 1)·step_c] of the record's box (detail::code_step).
+  /// Codes of record r of (layer, kv head h): [code_group_bytes()] in the layout of
+  /// detail::code_blocks (detail::code_at reads one); channel c's code x stands for the
+  /// cell [min_c + x·step_c, min_c + (x + 1)·step_c] of the record's box (detail::code_step).
   const std::uint8_t* codes(std::int32_t layer, std::int32_t r, std::int32_t h) const {
-    return codes_.data() + hrec(layer, h, r) * static_cast<std::size_t>(p_.group_pages) * page_size_ * code_row_bytes();
+    return codes_.data() + hrec(layer, h, r) * static_cast<std::size_t>(code_group_bytes());
   }
 
   /// True when this store keeps rotated boxes (method kRotBox).
@@ -861,19 +881,22 @@ class SketchStore {
     const std::size_t hr = hrec(layer, h, r);
     const float* lo = box_min_.data() + hr * d_;
     const float* hi = box_max_.data() + hr * d_;
-    const std::int32_t levels = 1 << p_.code_bits, n = p_.group_pages * page_size_, rb = code_row_bytes();
-    std::uint8_t* out = codes_.data() + hr * static_cast<std::size_t>(n) * rb;
-    std::fill(out, out + static_cast<std::size_t>(n) * rb, std::uint8_t{0});
-    for (std::int32_t t = 0; t < n; ++t, out += rb) {
+    const std::int32_t levels = 1 << p_.code_bits, n = p_.group_pages * page_size_, gb = code_group_bytes();
+    const std::int32_t bb = detail::code_block_bytes(d_, p_.code_bits);
+    std::uint8_t* out = codes_.data() + hr * static_cast<std::size_t>(gb);
+    std::fill(out, out + gb, std::uint8_t{0});
+    for (std::int32_t t = 0; t < n; ++t) {
       const auto* k = key(t);
+      std::uint8_t* blk = out + static_cast<std::size_t>(t / 16) * bb;
+      const std::int32_t j = t % 16;
       for (std::int32_t c = 0; c < d_; ++c) {
         const double st = detail::code_step(lo[c], hi[c], levels);
         const double x = (static_cast<double>(to_float(k[c])) - lo[c]) / (st > 0 ? st : 1.0);
         const std::int32_t code = st > 0 && x > 0 ? static_cast<std::int32_t>(std::min<double>(levels - 1, std::floor(x))) : 0;
         if (p_.code_bits == 8)
-          out[c] = static_cast<std::uint8_t>(code);
+          blk[c * 16 + j] = static_cast<std::uint8_t>(code);
         else
-          out[c % (d_ / 2)] |= static_cast<std::uint8_t>(c < d_ / 2 ? code : code << 4);
+          blk[c * 8 + j % 8] |= static_cast<std::uint8_t>(j < 8 ? code : code << 4);
       }
     }
   }
@@ -1019,7 +1042,7 @@ class SketchStore {
   std::vector<float> basis_tmp_;            // [d, d] a fitted basis before set_basis
   std::vector<float> rot_work_;             // [2d] a key and its rotation
   // kCodes only (empty otherwise):
-  std::vector<std::uint8_t> codes_;         // [layers, Hkv, cap, g·P, code_row_bytes]
+  std::vector<std::uint8_t> codes_;         // [layers, Hkv, cap, code_group_bytes]
   std::vector<std::uint8_t> coded_;         // [layers, cap] codes built
 };
 
@@ -1273,41 +1296,51 @@ inline void rot_bounds(const float* rmin /* [groups, d] */, const float* rmax /*
 }  // namespace detail
 
 namespace detail {
-/// kCodes: Σ_c a_c·x_c over one token's codes x (8 or 4 bits, SketchStore::codes layout)
-/// in float, 16 lanes per code half (lane j takes channels c ≡ j mod 16, the tail lane 0),
-/// then the lanes (and the halves) added pairwise in float: every product passes through
-/// at most d/16 + 16 + 5 < d/8 + 17 roundings, so |error| <= float_sum_slack(d)·Σ_c |a_c|·x_c.
-/// Written lane-wise so the compiler vectorises it (a serial double sum of the 32 lanes
-/// cost more than the products).
+/// kCodes: Σ_c a_c·x_tc for the 16 tokens t of one block of codes (detail::code_blocks
+/// layout) in float, one channel a step, token t in lane t: each token's sum takes d
+/// rounded steps (a product and an add), so |error| <= (d + 2)·2⁻²³·Σ_c |a_c|·x_tc
+/// (codes_seq_slack). AVX2: two registers of 8 tokens; otherwise a portable loop.
 template <int kBits>
-inline double codes_dot(const float* a /* [d] */, const std::uint8_t* row /* [d·kBits/8] */, std::int32_t d) {
-  float lo[16] = {}, hi[16] = {};
-  const std::int32_t n = kBits == 8 ? d : d / 2;  // bytes
-  std::int32_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) {
-      const std::uint32_t x = row[i + j];
-      if (kBits == 8) {
-        lo[j] += a[i + j] * static_cast<float>(x);
-      } else {
-        lo[j] += a[i + j] * static_cast<float>(x & 15u);
-        hi[j] += a[i + j + n] * static_cast<float>(x >> 4);
-      }
-    }
-  for (; i < n; ++i) {
-    const std::uint32_t x = row[i];
+inline void codes_block(const float* a /* [d] */, const std::uint8_t* blk /* [code_block_bytes] */, std::int32_t d,
+                        float* acc /* [16] */) {
+  constexpr std::int32_t kStride = kBits == 8 ? 16 : 8;  // bytes a channel
+#if defined(__AVX2__)
+  // Lanes 0-7 tokens 0-7, lanes 8-15 tokens 8-15 (mul then add: the same bound as FMA).
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (std::int32_t c = 0; c < d; ++c) {
+    const __m256 ac = _mm256_set1_ps(a[c]);
+    const std::uint8_t* x = blk + static_cast<std::size_t>(c) * kStride;
+    __m256i lo, hi;
     if (kBits == 8) {
-      lo[0] += a[i] * static_cast<float>(x);
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+      lo = _mm256_cvtepu8_epi32(b);
+      hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
     } else {
-      lo[0] += a[i] * static_cast<float>(x & 15u);
-      hi[0] += a[i + n] * static_cast<float>(x >> 4);
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+      lo = _mm256_and_si256(b, _mm256_set1_epi32(15));
+      hi = _mm256_srli_epi32(b, 4);
+    }
+    s0 = _mm256_add_ps(s0, _mm256_mul_ps(ac, _mm256_cvtepi32_ps(lo)));
+    s1 = _mm256_add_ps(s1, _mm256_mul_ps(ac, _mm256_cvtepi32_ps(hi)));
+  }
+  _mm256_storeu_ps(acc, s0);
+  _mm256_storeu_ps(acc + 8, s1);
+#else
+  float s[16] = {};
+  for (std::int32_t c = 0; c < d; ++c) {
+    const float ac = a[c];
+    const std::uint8_t* x = blk + static_cast<std::size_t>(c) * kStride;
+    for (int j = 0; j < 8; ++j) {
+      const std::uint32_t lo = kBits == 8 ? x[j] : (x[j] & 15u), hi = kBits == 8 ? x[j + 8] : (x[j] >> 4);
+      s[j] += ac * static_cast<float>(static_cast<std::int32_t>(lo));
+      s[j + 8] += ac * static_cast<float>(static_cast<std::int32_t>(hi));
     }
   }
-  for (int j = 0; j < 16; ++j) lo[j] += hi[j];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) lo[j] += lo[j + w];
-  return lo[0];
+  for (int j = 0; j < 16; ++j) acc[j] = s[j];
+#endif
 }
+/// Relative error factor of codes_block's sums of d products.
+inline double codes_seq_slack(std::int32_t d) { return (static_cast<double>(d) + 2) * 0x1p-23; }
 
 /// kCodes: certified bounds on the log softmax mass log Σ_t exp(s·q·k_t) of one coded group
 /// (ntok tokens) for query q. Channel c's code x puts k_c in [lo_c + x·st_c, lo_c + (x+1)·st_c]
@@ -1315,17 +1348,17 @@ inline double codes_dot(const float* a /* [d] */, const std::uint8_t* row /* [d�
 ///   q·k_t <= U_t = Σ_c (q_c·lo_c + max(a_c, 0)) + Σ_c a_c·x_tc,   q·k_t >= U_t − Σ_c |a_c|:
 /// a box bound on the token's own cell (2^bits cells a channel instead of one). The base
 /// sum is formed in double (products of floats exact; double_dot_slack), Σ a·x in float
-/// (codes_dot) from a rounded to float (<= 2⁻²⁴|a| each), and each cell is widened by
+/// (codes_block) from a rounded to float (<= 2⁻²⁴|a| each), and each cell is widened by
 /// 2⁻⁴⁰(|lo| + 2^bits·st) for a code the coder's double quotient put one cell off at an
 /// edge. `slack` collects all three. Then with M = max_t U_t:
 ///   hi = s·M + log Σ_t exp(s(U_t − M))                          >= log Σ exp(s·q·k)
 ///   lo = hi − s·(Σ|a| + 2·slack)  (every token's lower bound is U_t − gap, one gap a group)
 /// each with a 1e-12 relative margin for exp and log. a: [d], dots: [ntok] work.
 template <class T>
-inline void codes_log_mass(const float* lo /* [d] */, const float* hi /* [d] */, const std::uint8_t* codes /* [ntok, row] */,
+inline void codes_log_mass(const float* lo /* [d] */, const float* hi /* [d] */, const std::uint8_t* codes /* [code_blocks(ntok) · code_block_bytes] */,
                            std::int32_t ntok, std::int32_t d, std::int32_t bits, const T* q /* [d] */, double scale,
                            float* a /* [d] */, double* dots /* [ntok] */, double* log_hi, double* log_lo) {
-  const std::int32_t levels = 1 << bits, rb = bits == 8 ? d : d / 2;
+  const std::int32_t levels = 1 << bits, bb = code_block_bytes(d, bits);
   // Per channel, in 16 float lanes (vectorised): the base Σ q·lo + max(a, 0), and the
   // magnitudes Σ(|q·lo| + |a|), Σ|a|, Σ|q|(|lo| + levels·st) that bound its rounding.
   // Every sum passes through < 2d/8 + 17 roundings (d/16 + 15 in a lane, 4 pairwise), so the
@@ -1360,14 +1393,21 @@ inline void codes_log_mass(const float* lo /* [d] */, const float* hi /* [d] */,
   // a_c = fl(q_c·st_c) is within 2⁻²⁴|a_c| of the real product (2⁻²³ with the products
   // in the codes' sums); the cell widening is 2⁻⁴⁰·wide; 1e-30 covers products that
   // underflow.
-  const double slack = (float_sum_slack(d) + 0x1p-23) * (levels - 1) * sabs + (float_sum_slack(2 * d) + 0x1p-23) * mag +
+  const double slack = (codes_seq_slack(d) + 0x1p-23) * (levels - 1) * sabs + (float_sum_slack(2 * d) + 0x1p-23) * mag +
                        0x1p-40 * wide + 1e-30;
   const double gap = sabs * (1 + 0x1p-22) + 2 * slack;  // >= Σ|q_c·st_c| exact
   double M = -std::numeric_limits<double>::infinity();
-  for (std::int32_t t = 0; t < ntok; ++t) {
-    dots[t] = bits == 8 ? codes_dot<8>(a, codes + static_cast<std::size_t>(t) * rb, d)
-                        : codes_dot<4>(a, codes + static_cast<std::size_t>(t) * rb, d);
-    M = std::max(M, dots[t]);
+  float acc[16];
+  for (std::int32_t t0 = 0; t0 < ntok; t0 += 16) {
+    const std::uint8_t* blk = codes + static_cast<std::size_t>(t0 / 16) * bb;
+    if (bits == 8)
+      codes_block<8>(a, blk, d, acc);
+    else
+      codes_block<4>(a, blk, d, acc);
+    for (std::int32_t j = 0; j < 16 && t0 + j < ntok; ++j) {
+      dots[t0 + j] = acc[j];
+      M = std::max(M, dots[t0 + j]);
+    }
   }
   double sum = 0;
   for (std::int32_t t = 0; t < ntok; ++t) sum += std::exp(scale * (dots[t] - M));
