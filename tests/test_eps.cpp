@@ -149,6 +149,17 @@ void property_round(std::mt19937_64& rng, sk::SketchMethod method, double eps, s
   }
 }
 
+// The pool of the page-event tests: 2 kv heads of 16, pages of 4, sequences of 37 and 20
+// tokens (sequence 0's last group, with groups of 2 pages, not full).
+PoolSpec events_spec() {
+  PoolSpec spec;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 16;
+  spec.page_size = 4;
+  spec.seq_lens = {37, 20};
+  return spec;
+}
+
 }  // namespace
 
 TEST_CASE("eps: bad parameters throw kvkit::Error naming the value", "[eps]") {
@@ -484,11 +495,7 @@ TEST_CASE("eps: a planted needle's page is always visited in strict mode", "[eps
 
 TEST_CASE("eps: summaries follow page events (rewrite, release) and appends", "[eps]") {
   KVKIT_TEST_RNG(rng);
-  PoolSpec spec;
-  spec.num_kv_heads = 2;
-  spec.head_dim = 16;
-  spec.page_size = 4;
-  spec.seq_lens = {37, 20};
+  const PoolSpec spec = events_spec();
   RandomPool<float> pool(spec, rng);
   sk::SketchParams p;
   p.group_pages = 2;
@@ -535,11 +542,7 @@ TEST_CASE("eps: summaries follow page events (rewrite, release) and appends", "[
 
 TEST_CASE("eps codes: every coded key lies in its cell; codes follow rewrites and wait for a group to fill", "[eps]") {
   KVKIT_TEST_RNG(rng);
-  PoolSpec spec;
-  spec.num_kv_heads = 2;
-  spec.head_dim = 16;
-  spec.page_size = 4;
-  spec.seq_lens = {37, 20};
+  const PoolSpec spec = events_spec();
   for (std::int32_t bits : {4, 8}) {
     RandomPool<half_t> pool(spec, rng);
     sk::SketchParams p;

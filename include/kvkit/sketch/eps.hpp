@@ -1586,6 +1586,41 @@ struct WalkResult {
   double tail = 0;           // T: the bound on the omitted mass (relative units)
 };
 
+/// The smallest rank p in (start, n] with stop(p, T_p), for a stop test monotone in p and
+/// true at p = n; ranks by `before` (a strict order on positions), T_p the exact tail sum
+/// of w over ranks >= p. Quickselect on ord[start..n) (median-of-three pivots) until at
+/// most 16 candidates are left, then a sort of those: ranks [start, p) end in
+/// ord[start..p) (unsorted but the last block). T: T_start in, T_p out.
+template <class Before, class Stop>
+std::int32_t first_stop(const Mass128* w /* [n] */, std::int32_t n, std::int32_t* ord /* [n] */, std::int32_t start,
+                        Before before, Stop stop, Mass128& T) {
+  std::int32_t lo = start, hi = n;  // the answer is in (lo, hi]
+  while (hi - lo > 16) {
+    const std::int32_t a = ord[lo], b = ord[lo + (hi - lo) / 2], c = ord[hi - 1];
+    const std::int32_t m = before(a, b) ? (before(b, c) ? lo + (hi - lo) / 2 : (before(a, c) ? hi - 1 : lo))
+                                        : (before(a, c) ? lo : (before(b, c) ? hi - 1 : lo + (hi - lo) / 2));
+    std::swap(ord[m], ord[hi - 1]);
+    const std::int32_t pv = ord[hi - 1];
+    std::int32_t* mid = std::partition(ord + lo, ord + hi - 1, [&](std::int32_t x) { return before(x, pv); });
+    std::swap(*mid, ord[hi - 1]);
+    const std::int32_t k = static_cast<std::int32_t>(mid - ord);
+    Mass128 Tk = T;
+    for (std::int32_t i = lo; i <= k; ++i) Tk.sub(w[ord[i]]);
+    if (stop(k + 1, Tk)) {
+      hi = k + 1;
+    } else {
+      lo = k + 1;
+      T = Tk;
+    }
+  }
+  std::sort(ord + lo, ord + hi, before);
+  for (std::int32_t p = lo; p < hi; ++p) {
+    if (p > lo && stop(p, T)) return p;
+    T.sub(w[ord[p]]);
+  }
+  return hi;
+}
+
 /// The pre-pass's certified ε rule over n candidate groups: positions 0..n-1 with
 /// log-mass bounds ub[pos] relative to ref >= every ub, quantised masses
 /// w[pos] = quantise_mass(ub[pos] − ref), W = Σ w. Ranks: decreasing ub, ties by
@@ -1638,31 +1673,7 @@ WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */
       return tail_bound(Tp) <= eps * f * (s_base + seen.value());
     };
     if (!strict && stop_possible(start, T)) return start;
-    std::int32_t lo = start, hi = n;  // the answer is in (lo, hi]
-    while (hi - lo > 16) {
-      const std::int32_t a = ord[lo], b = ord[lo + (hi - lo) / 2], c = ord[hi - 1];
-      const std::int32_t m = before(a, b) ? (before(b, c) ? lo + (hi - lo) / 2 : (before(a, c) ? hi - 1 : lo))
-                                          : (before(a, c) ? lo : (before(b, c) ? hi - 1 : lo + (hi - lo) / 2));
-      std::swap(ord[m], ord[hi - 1]);
-      const std::int32_t pv = ord[hi - 1];
-      std::int32_t* mid = std::partition(ord + lo, ord + hi - 1, [&](std::int32_t x) { return before(x, pv); });
-      std::swap(*mid, ord[hi - 1]);
-      const std::int32_t k = static_cast<std::int32_t>(mid - ord);
-      Mass128 Tk = T;
-      for (std::int32_t i = lo; i <= k; ++i) Tk.sub(w[ord[i]]);
-      if (stop_possible(k + 1, Tk)) {
-        hi = k + 1;
-      } else {
-        lo = k + 1;
-        T = Tk;
-      }
-    }
-    std::sort(ord + lo, ord + hi, before);
-    for (std::int32_t p = lo; p < hi; ++p) {
-      if (p > lo && stop_possible(p, T)) return p;
-      T.sub(w[ord[p]]);
-    }
-    return hi;
+    return first_stop(w, n, ord, start, before, stop_possible, T);
   };
   // Budget exhausted: the top lim − cnt of ord[rb..re) are visited unscored.
   auto give_up = [&](std::int32_t rb, std::int32_t re, Mass128 T) {
@@ -1724,7 +1735,7 @@ WalkResult certified_walk(const double* ub /* [n] */, const Mass128* w /* [n] */
 /// denominator (relative to ref) that already counts every candidate's lower mass bound,
 /// so the walk only finds the first rank i (decreasing ub, ties by position, as
 /// certified_walk) with tail_bound(T_i) <= ε·s0, or lim. Quickselect on the exact tail
-/// sums (monotone in i), then a sort of the last <= 16 candidates. ord, out: [n]
+/// sums (first_stop, as certified_walk's jumps). ord, out: [n]
 /// workspace; out[0..visited) = the visited positions, in no particular order.
 /// omitted = T/s0 (>= M_Ω/Z as Z >= s0); the caller may tighten it with the lower
 /// bound of the visited groups alone (T/(T + S_visited)).
@@ -1736,31 +1747,7 @@ inline WalkResult bound_walk(const double* ub /* [n] */, const Mass128* w /* [n]
   auto before = [&](std::int32_t a, std::int32_t b) { return ub[a] > ub[b] || (ub[a] == ub[b] && a < b); };
   auto stop = [&](std::int32_t p, const Mass128& Tp) { return p >= lim || tail_bound(Tp) <= eps * s0; };
   Mass128 T = W;
-  std::int32_t at = 0;
-  if (!stop(0, T)) {
-    std::int32_t lo = 0, hi = n;  // the answer is in (lo, hi]; T = T_lo
-    while (hi - lo > 16) {
-      const std::int32_t m = lo + (hi - lo) / 2;
-      std::nth_element(ord + lo, ord + m, ord + hi, before);
-      Mass128 Tm = T;
-      for (std::int32_t i = lo; i <= m; ++i) Tm.sub(w[ord[i]]);
-      if (stop(m + 1, Tm)) {
-        hi = m + 1;
-      } else {
-        lo = m + 1;
-        T = Tm;
-      }
-    }
-    std::sort(ord + lo, ord + hi, before);
-    at = hi;
-    for (std::int32_t p = lo; p < hi; ++p) {
-      T.sub(w[ord[p]]);
-      if (stop(p + 1, T)) {
-        at = p + 1;
-        break;
-      }
-    }
-  }
+  const std::int32_t at = stop(0, T) ? 0 : first_stop(w, n, ord, 0, before, stop, T);
   for (std::int32_t p = 0; p < at; ++p) out[p] = ord[p];
   res.visited = at;
   res.tail = tail_bound(T);
