@@ -23,7 +23,7 @@
 //            summaries stay valid)
 //   codes    (method kCodes only) every key of a full group coded channel by channel on
 //            2^bits cells of the group's own box (code_bits 4 or 8), so each token keeps
-//            its own little box: one cell per channel      g·P·d·bits/8 bytes
+//            its own little box: one cell per channel      ⌈g·P/16⌉·16·d·bits/8 bytes
 //            (coded once, when the group is full and its box final: one more read of
 //            its K; the group being filled is the newest, which is always read)
 // Bounds on the largest logit max_i q·k_i of a group:
@@ -208,7 +208,12 @@ inline SummaryParts summary_parts(const SketchParams& p) {
 }
 
 namespace detail {
-/// kCodes: blocks of 16 tokens in a group of ntok, and bytes of one block (code_at's layout).
+/// kCodes layout of one group's codes (one kv head): its tokens in blocks of 16, and in a
+/// block, channel by channel, the 16 tokens' codes: 16 bytes at 8 bits (token j of the
+/// block at byte j), 8 bytes at 4 bits (token j in the low nibble of byte j, token j + 8
+/// in the high one). Channel-major, so the bound scores 16 tokens at once, one channel a
+/// step, with no sum across vector lanes. A partial last block is padded with zeros.
+/// code_blocks: blocks in a group of ntok tokens; code_block_bytes: bytes of one block.
 inline std::int32_t code_blocks(std::int32_t ntok) { return (ntok + 15) / 16; }
 inline std::int32_t code_block_bytes(std::int32_t d, std::int32_t bits) { return d * (bits == 8 ? 16 : 8); }
 }  // namespace detail
@@ -327,13 +332,7 @@ inline float code_step(float lo, float hi, std::int32_t levels) {
   return st < 0x1p-100f ? 0x1p-100f : st;
 }
 
-/// kCodes layout of one group's codes (one kv head): its tokens in blocks of 16, and in a
-/// block, channel by channel, the 16 tokens' codes: 16 bytes at 8 bits (token j of the
-/// block at byte j), 8 bytes at 4 bits (token j in the low nibble of byte j, token j + 8
-/// in the high one). Channel-major, so the bound scores 16 tokens at once, one channel a
-/// step, with no sum across vector lanes. A partial last block is padded with zeros.
-// (code_blocks, code_block_bytes: above, before summary_bytes)
-/// Code of token t, channel c in a group's codes (the layout above).
+/// Code of token t, channel c in a group's codes (the layout of code_blocks).
 inline std::int32_t code_at(const std::uint8_t* codes, std::int32_t d, std::int32_t bits, std::int32_t t, std::int32_t c) {
   const std::uint8_t* blk = codes + static_cast<std::size_t>(t / 16) * code_block_bytes(d, bits);
   const std::int32_t j = t % 16;
