@@ -268,8 +268,6 @@ TEST_CASE("kvkit CLI usage errors exit 2 naming the value", "[cli][errors]") {
       {"generate --compare-full", {"--compare-full needs --policy"}},
       {"generate --policy nonesuch", {"--policy", "nonesuch"}},
       {"generate --kv-dtype float8", {"--kv-dtype", "float8"}},
-      {"generate --kv-dtype float16 --policy kvchan", {"--policy kvchan", "--kv-dtype float16"}},
-      {"generate --kv-dtype bfloat16 --policy kvchan", {"--policy kvchan", "--kv-dtype bfloat16"}},
       // Text options need a GGUF model (its tokenizer).
       {"generate --chat --prompt hi", {"--chat", "GGUF", "no --model"}},
       {"generate --stop-at-eos", {"--stop-at-eos", "GGUF"}},

@@ -60,13 +60,16 @@ struct Config {
   Shape shape;
   std::int64_t page, window, rk, rv;
   bool expect_saving;  // enough old tokens that packing saves more than the metadata costs
+  std::string kv_dtype = "float32";  // --kv-dtype: the engine's pages and the policy's pools
+  std::int64_t elem_bytes = 4;       // bytes of one element of that type
 };
 
 std::string command(const Config& c, const std::string& score, bool k_comp) {
   return "generate " + c.model_args + " --page-size " + std::to_string(c.page) + " --policy kvchan --W " +
          std::to_string(c.window) + " --rK " + std::to_string(c.rk) + " --rV " + std::to_string(c.rv) +
          " --T-update 4 --N-stable 2 --kvchan-retention 0.75 --kvchan-stable-frac 0.8 --check-every 0" +
-         " --kvchan-score " + score + (k_comp ? " --kvchan-k-compensate" : "") + " --compare-full --json";
+         " --kvchan-score " + score + (k_comp ? " --kvchan-k-compensate" : "") + " --kv-dtype " + c.kv_dtype +
+         " --compare-full --json";
 }
 
 // Settings, packing, byte accounting and fidelity ranges of one run.
@@ -84,6 +87,7 @@ void check_run(const nlohmann::json& j, const Config& c, const Run& r, bool k_co
   REQUIRE(i64(j, "kvchan_score") == r.score_code);
   REQUIRE(i64(j, "kvchan_k_compensation") == (k_comp ? 1 : 0));
   REQUIRE(i64(j, "kvchan_v_compensation") == 0);
+  REQUIRE(j.at("kv_dtype") == c.kv_dtype);
 
   // Positions: the prompt and every generated token but the last (pending) one.
   const nlohmann::json& seq = j.at("sequences").at(0);
@@ -102,10 +106,11 @@ void check_run(const nlohmann::json& j, const Config& c, const Run& r, bool k_co
   REQUIRE(kv_len - old >= c.window);
   REQUIRE(kv_len - old < c.window + page);
 
-  // Bytes: the engine keeps full-width float K and V pages for the window, the policy rK + rV
-  // floats per old token and (layer, kv head), plus its metadata.
-  const std::int64_t full_page = 2 * m.layers * m.kv_heads * page * m.head_dim * 4;
-  const std::int64_t packed_expected = (old / page) * m.layers * m.kv_heads * page * (c.rk + c.rv) * 4;
+  // Bytes: the engine keeps full-width K and V pages for the window, the policy rK + rV
+  // elements (of the pages' type) per old token and (layer, kv head), plus its metadata.
+  const std::int64_t full_page = 2 * m.layers * m.kv_heads * page * m.head_dim * c.elem_bytes;
+  const std::int64_t packed_expected =
+      (old / page) * m.layers * m.kv_heads * page * (c.rk + c.rv) * c.elem_bytes;
   const std::int64_t packed = i64(j, "kvchan_packed_bytes");
   const std::int64_t meta = i64(j, "kvchan_metadata_bytes");
   REQUIRE(packed == packed_expected);
@@ -205,6 +210,19 @@ TEST_CASE("kvkit generate --policy kvchan: every score with and without key comp
   for (const Run& r : kScores) check_score(c, r, /*repeat=*/true);
 }
 
+TEST_CASE("kvkit generate --policy kvchan --kv-dtype float16|bfloat16: 16-bit pools, bytes exact (stories260K)",
+          "[cli][kvchan][kv_dtype]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  for (const char* dtype : {"float16", "bfloat16"}) {
+    INFO("--kv-dtype " << dtype);
+    const Config c{"--model '" + kStoriesPath + "' --steps 160", kStories, 8, 16, 4, 6, true, dtype, 2};
+    check_score(c, kScores[0], /*repeat=*/false);
+  }
+}
+
 TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensation off and on",
           "[cli][kvchan][smollm2]") {
   if (skip_smollm2()) return;
@@ -263,6 +281,16 @@ TEST_CASE("kvkit generate --policy kvchan: the fidelity guard's limits come from
   const nlohmann::json overlap_only =
       run_json(base + " --kvchan-max-kl 1e9 --kvchan-max-margin-drift 1e9 --kvchan-min-overlap 1");
   CHECK(i64(overlap_only, "checks_failed") > 0);
+  // On 16-bit pages too: a failed check backs off and restores every token full width from
+  // the recomputation, whose engine stores the same page type.
+  for (const char* dtype : {"float16", "bfloat16"}) {
+    INFO("--kv-dtype " << dtype);
+    const nlohmann::json j = run_json(base + " --kv-dtype " + dtype);
+    CHECK(j.at("kv_dtype") == dtype);
+    CHECK(i64(j, "checks_failed") > 0);
+    CHECK(i64(j, "backoffs") > 0);
+    CHECK(i64(j, "restored_tokens") > 0);
+  }
 }
 
 TEST_CASE("kvkit generate --policy kvchan rejects bad values naming them", "[cli][kvchan]") {

@@ -62,12 +62,13 @@
 //    set_attention and k_pool() / v_pool() / layer_views() throw naming the dtype, and
 //    StepInfo::layer_views is null. set_typed_attention installs a hook for every page type
 //    (AttentionCallT<T>: the pages' view, q and out rounded to T as the dense kernel gets
-//    them), pool_view<T> reads typed pages. Page events, reclaim and registered pools work
-//    with any dtype.
+//    them), pool_view<T> and layer_views<T> read typed pages. Page events, reclaim and
+//    registered pools work with any dtype.
 //  - Pool size: the pools are allocated up front; a size above max_pool_bytes (default:
 //    physical memory) throws PoolTooLargeError naming the value and the bytes needed.
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -542,17 +543,21 @@ class Engine {
   }
   /// set_attention for pages of any element type: `fn` is a generic callable taking
   /// `const AttentionCallT<T>&` for T = float, half_t and bfloat16_t; each step calls it
-  /// with the pages' type (kv_dtype). `workspace_size` is asked for float32 pages only: a
-  /// hook on 16-bit pages gets the dense kernel's workspace. Same single slot as
-  /// set_attention.
-  template <class F>
-  void set_typed_attention(F fn, AttentionWorkspaceFn workspace_size = {}) {
+  /// with the pages' type (kv_dtype). `workspace_size` (optional) is a generic callable
+  /// taking (int layer, const PagedKVView<T>&) for the same three types; without it the
+  /// hook gets the dense kernel's workspace. Same single slot as set_attention.
+  template <class F, class W = std::nullptr_t>
+  void set_typed_attention(F fn, W workspace_size = nullptr) {
     check_attention_slot(true);
     attention_ = AttentionHook{};
     attention_.run = fn;
     attention_.run_f16 = fn;
     attention_.run_bf16 = std::move(fn);
-    attention_.workspace_size = std::move(workspace_size);
+    if constexpr (!std::is_same<W, std::nullptr_t>::value) {
+      attention_.workspace_size = workspace_size;
+      attention_.workspace_size_f16 = workspace_size;
+      attention_.workspace_size_bf16 = std::move(workspace_size);
+    }
   }
   /// Registers a page listener; returns a handle for remove_page_listener.
   int add_page_listener(PageListener fn) {
@@ -696,12 +701,13 @@ class Engine {
   }
 
   /// Per-layer views over the live sequences as they are now (batch order = sequences()).
-  /// Valid until the next change to the engine.
-  /// Float32 pages only (throws kvkit::Error naming the dtype otherwise).
-  const std::vector<PagedKVView<float>>& layer_views() {
-    require_pages<float>("layer_views()");
+  /// Valid until the next change to the engine. T must be the pages' type (kv_dtype;
+  /// throws kvkit::Error naming both dtypes otherwise).
+  template <class T = float>
+  const std::vector<PagedKVView<T>>& layer_views() {
+    require_pages<T>("layer_views()");
     if (dirty_) build_views(0);
-    return views_of<float>(views_);
+    return views_of<T>(views_);
   }
 
  private:

@@ -35,6 +35,10 @@
 // with compensation), reset the stability counters and probe again; when stable again the old tokens are re-packed
 // with the new sets. Then pack whatever left the window.
 //
+// Page types: float32, float16 and bfloat16 pages (EngineOptions::kv_dtype). The policy's
+// pools hold the engine's type, so packing and unpacking stay copies; the selector's
+// statistics and the compensation sums read the rows widened exactly to float / double.
+//
 // Limits: a sequence with old tokens in the policy's pool is not self-contained, and the
 // engine knows it (Engine::set_external_tokens): fork_sequence and a conversation
 // host's finish_turn throw for it instead of continuing without those tokens.
@@ -48,6 +52,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/engine.hpp"
@@ -86,6 +91,8 @@ class KvchanPolicy : public EnginePolicy {
   std::string name() const override { return "kvchan"; }
   /// Moves old tokens to its packed pool and (in dynamic mode) replaces the attention call.
   PolicyRole role() const override { return {opt_.params.mode == channel::ChannelMode::kDynamic, true}; }
+  /// Pools of the engine's own page type (every engine page type).
+  bool supports_kv_dtype(DType) const override { return true; }
 
   void attach(Engine& eng) override {
     KVKIT_CHECK(eng_ == nullptr, "kvchan: attach() called twice");
@@ -97,10 +104,13 @@ class KvchanPolicy : public EnginePolicy {
     eng_ = &eng;
     sel_ = std::make_unique<channel::ChannelSelector>(opt_.params, c.n_layers, c.n_kv_heads, D,
                                                       c.n_heads / c.n_kv_heads);
-    packed_ = std::make_unique<channel::PackedPagePool<float>>(c.n_layers, c.n_kv_heads, sel_->r_k(),
-                                                               sel_->r_v(), eng.options().page_size);
-    full_ = std::make_unique<channel::PackedPagePool<float>>(c.n_layers, c.n_kv_heads, D, D,
-                                                             eng.options().page_size);
+    eng.with_kv_type([&](auto tag) {
+      using T = decltype(tag);
+      Pools<T>& p = pools<T>();
+      p.packed = std::make_unique<channel::PackedPagePool<T>>(c.n_layers, c.n_kv_heads, sel_->r_k(), sel_->r_v(),
+                                                              eng.options().page_size);
+      p.full = std::make_unique<channel::PackedPagePool<T>>(c.n_layers, c.n_kv_heads, D, D, eng.options().page_size);
+    });
     if (!opt_.jsonl_path.empty()) {
       jsonl_ = std::make_unique<std::ofstream>(opt_.jsonl_path);
       KVKIT_CHECK(jsonl_->good(), "kvchan: cannot write --jsonl file ", opt_.jsonl_path);
@@ -111,8 +121,8 @@ class KvchanPolicy : public EnginePolicy {
         [this] { return std::max(peak_pool_bytes_, pool_bytes()); });
     eng.add_step_hook([this](Engine& e, const StepInfo& info) { on_step(e, info); });
     if (opt_.params.mode == channel::ChannelMode::kDynamic)
-      eng.set_attention([this](const AttentionCall& call) { return attention(call); },
-                        [this](int layer, const PagedKVView<float>& v) { return workspace_bytes(layer, v); });
+      eng.set_typed_attention([this](const auto& call) { return attention(call); },
+                              [this](int layer, const auto& v) { return workspace_bytes(layer, v); });
   }
 
   PolicyStats stats() const override {
@@ -129,7 +139,7 @@ class KvchanPolicy : public EnginePolicy {
     s.emplace_back("old_tokens", static_cast<double>(old));
     s.emplace_back("restored_tokens", static_cast<double>(restored_tokens_));
     s.emplace_back("kvchan_pool_bytes", static_cast<double>(pool_bytes()));
-    s.emplace_back("kvchan_packed_bytes", packed_ ? static_cast<double>(packed_->bytes_in_use()) : 0);
+    s.emplace_back("kvchan_packed_bytes", static_cast<double>(packed_bytes()));
     s.emplace_back("kvchan_metadata_bytes", sel_ ? static_cast<double>(metadata_bytes()) : 0);
     double mx = 0, sum = 0;
     for (const auto& ch : checks_) {
@@ -155,8 +165,15 @@ class KvchanPolicy : public EnginePolicy {
   const channel::ChannelSelector& selector() const { return *sel_; }
   channel::ChannelSelector& selector() { return *sel_; }
   const std::vector<KvchanCheck>& checks() const { return checks_; }
-  const channel::PackedPagePool<float>& packed_pool() const { return *packed_; }
-  const channel::PackedPagePool<float>& full_pool() const { return *full_; }
+  /// The pools of rK / rV pages and of unpacked full-width pages (T: the engine's page type).
+  template <class T = float>
+  const channel::PackedPagePool<T>& packed_pool() const {
+    return *checked(pools<T>().packed);
+  }
+  template <class T = float>
+  const channel::PackedPagePool<T>& full_pool() const {
+    return *checked(pools<T>().full);
+  }
   /// Tokens of `id` held by the policy (the oldest ones), packed or unpacked.
   std::int32_t old_tokens(SeqId id) const {
     auto it = seqs_.find(id);
@@ -168,8 +185,16 @@ class KvchanPolicy : public EnginePolicy {
   }
   /// Bytes of the policy's own storage: pages in use in both pools plus metadata.
   std::int64_t pool_bytes() const {
-    if (!packed_ || opt_.params.mode == channel::ChannelMode::kFull) return 0;
-    return packed_->bytes_in_use() + full_->bytes_in_use() + metadata_bytes();
+    if (eng_ == nullptr || opt_.params.mode == channel::ChannelMode::kFull) return 0;
+    return eng_->with_kv_type([&](auto tag) {
+      const Pools<decltype(tag)>& p = pools<decltype(tag)>();
+      return p.packed->bytes_in_use() + p.full->bytes_in_use();
+    }) + metadata_bytes();
+  }
+  /// Bytes of the packed pages in use.
+  std::int64_t packed_bytes() const {
+    if (eng_ == nullptr) return 0;
+    return eng_->with_kv_type([&](auto tag) { return pools<decltype(tag)>().packed->bytes_in_use(); });
   }
   /// Every KV byte of the run: the engine's full-width pages in use (all layers, K and V)
   /// plus pool_bytes(); equals eng.kv_bytes_in_use().
@@ -191,28 +216,7 @@ class KvchanPolicy : public EnginePolicy {
   /// 0 or the compensation mean for V), or the unpacked row.
   void read_token(SeqId id, std::int32_t layer, std::int32_t t, std::int32_t head, float* k,
                   float* v) {  // [head_dim] each
-    const std::int32_t D = sel_->head_dim();
-    const SeqState* st = find(id);
-    const std::int32_t n_old = st ? st->n_old : 0;
-    const std::int32_t P = eng_->options().page_size;
-    if (t >= n_old) {
-      const auto ids = eng_->sequences();
-      const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
-      const PagedKVView<float>& view = eng_->layer_views()[static_cast<std::size_t>(layer)];
-      std::copy(view.k_ptr(b, t - n_old, head), view.k_ptr(b, t - n_old, head) + D, k);
-      std::copy(view.v_ptr(b, t - n_old, head), view.v_ptr(b, t - n_old, head) + D, v);
-      return;
-    }
-    const std::int32_t page = st->pages[static_cast<std::size_t>(t / P)], slot = t % P;
-    if (!st->packed) {
-      std::copy(full_->k_row(layer, page, slot, head), full_->k_row(layer, page, slot, head) + D, k);
-      std::copy(full_->v_row(layer, page, slot, head), full_->v_row(layer, page, slot, head) + D, v);
-      return;
-    }
-    channel::unpack_channels(packed_->k_row(layer, page, slot, head), 0, sel_->packed_k(layer) + head * sel_->r_k(),
-                             sel_->r_k(), D, 1, k_fill_of(*st, layer, head), k, 0);
-    channel::unpack_channels(packed_->v_row(layer, page, slot, head), 0, sel_->packed_v(layer) + head * sel_->r_v(),
-                             sel_->r_v(), D, 1, v_fill_of(*st, layer, head), v, 0);
+    eng_->with_kv_type([&](auto tag) { read_token_as<decltype(tag)>(id, layer, t, head, k, v); });
   }
 
   /// Key compensation of (id, layer, head): the mean over the packed tokens of each dropped
@@ -225,15 +229,68 @@ class KvchanPolicy : public EnginePolicy {
   /// Backs off now, as a failed check does: every sequence's old tokens to full width,
   /// counters reset, probing again.
   void back_off() {
-    for (auto& kv : seqs_) unpack(kv.second);
+    eng_->with_kv_type([&](auto tag) {
+      for (auto& kv : seqs_) unpack<decltype(tag)>(kv.second);
+    });
     sel_->back_off();
   }
 
  private:
+  // The policy's two pools, for pages of type T (only the engine's type is allocated).
+  template <class T>
+  struct Pools {
+    std::unique_ptr<channel::PackedPagePool<T>> packed;  // rK / rV pages
+    std::unique_ptr<channel::PackedPagePool<T>> full;    // full-width pages (after a back-off)
+  };
+  template <class T>
+  Pools<T>& pools() { return std::get<Pools<T>>(pools_); }
+  template <class T>
+  const Pools<T>& pools() const { return std::get<Pools<T>>(pools_); }
+  template <class Pool>
+  const Pool* checked(const std::unique_ptr<Pool>& p) const {
+    KVKIT_CHECK(p != nullptr, "kvchan: no pool of that page type (the engine stores ",
+                eng_ ? to_string(eng_->kv_dtype()) : "nothing: not attached", ")");
+    return p.get();
+  }
+
+  template <class T>
+  void read_token_as(SeqId id, std::int32_t layer, std::int32_t t, std::int32_t head, float* k, float* v) {
+    const std::int32_t D = sel_->head_dim();
+    const SeqState* st = find(id);
+    const std::int32_t n_old = st ? st->n_old : 0;
+    const std::int32_t P = eng_->options().page_size;
+    const auto widen = [D](const T* src, float* dst) {
+      for (std::int32_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+    };
+    if (t >= n_old) {
+      const auto ids = eng_->sequences();
+      const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
+      const PagedKVView<T>& view = eng_->layer_views<T>()[static_cast<std::size_t>(layer)];
+      widen(view.k_ptr(b, t - n_old, head), k);
+      widen(view.v_ptr(b, t - n_old, head), v);
+      return;
+    }
+    Pools<T>& p = pools<T>();
+    const std::int32_t page = st->pages[static_cast<std::size_t>(t / P)], slot = t % P;
+    if (!st->packed) {
+      widen(p.full->k_row(layer, page, slot, head), k);
+      widen(p.full->v_row(layer, page, slot, head), v);
+      return;
+    }
+    const std::int32_t rk = sel_->r_k(), rv = sel_->r_v();
+    std::vector<float> kr(static_cast<std::size_t>(rk)), vr(static_cast<std::size_t>(rv));
+    for (std::int32_t c = 0; c < rk; ++c) kr[static_cast<std::size_t>(c)] = to_float(p.packed->k_row(layer, page, slot, head)[c]);
+    for (std::int32_t c = 0; c < rv; ++c) vr[static_cast<std::size_t>(c)] = to_float(p.packed->v_row(layer, page, slot, head)[c]);
+    channel::unpack_channels(kr.data(), 0, sel_->packed_k(layer) + head * rk, rk, D, 1, k_fill_of(*st, layer, head),
+                             k, 0);
+    channel::unpack_channels(vr.data(), 0, sel_->packed_v(layer) + head * rv, rv, D, 1, v_fill_of(*st, layer, head),
+                             v, 0);
+  }
+
   struct SeqState {
     std::int32_t n_old = 0;            // oldest tokens held by the policy
     std::vector<std::int32_t> pages;   // [ceil(n_old / page_size)] policy page ids
-    bool packed = false;               // pages are in packed_ (else full_)
+    bool packed = false;               // pages are in the packed pool (else the full-width one)
     std::int64_t observed = 0;         // tokens seen by the selector
     std::vector<double> v_sum;         // [L, Hkv, D] sums of packed V rows (compensation)
     std::vector<float> v_mean;         // [L, Hkv, D] mean on dropped dims, 0 on kept dims
@@ -258,7 +315,8 @@ class KvchanPolicy : public EnginePolicy {
            (static_cast<std::size_t>(layer) * sel_->n_kv_heads() + static_cast<std::size_t>(head)) * sel_->head_dim();
   }
 
-  std::size_t workspace_bytes(int /*layer*/, const PagedKVView<float>& view) const {
+  template <class T>
+  std::size_t workspace_bytes(int /*layer*/, const PagedKVView<T>& view) const {
     const exec::Host ex = eng_->model().exec();
     const DecodeAttentionParams dense = eng_->model().attention_params();
     DecodeAttentionParams pk = dense;
@@ -267,17 +325,18 @@ class KvchanPolicy : public EnginePolicy {
     pk.v_channels = &dummy;
     pk.q_dim = sel_->head_dim();
     const std::size_t a = channel::channel_attention_workspace_size(
-        ex, view, channel::shape_only_view<float>(view.num_kv_heads, sel_->r_k(), sel_->r_v(), view.batch_size),
+        ex, view, channel::shape_only_view<T>(view.num_kv_heads, sel_->r_k(), sel_->r_v(), view.batch_size),
         dense, pk);
     const std::size_t b = channel::channel_attention_workspace_size(
         ex, view,
-        channel::shape_only_view<float>(view.num_kv_heads, sel_->head_dim(), sel_->head_dim(), view.batch_size),
+        channel::shape_only_view<T>(view.num_kv_heads, sel_->head_dim(), sel_->head_dim(), view.batch_size),
         dense, dense);
     return std::max(a, b);
   }
 
-  Status attention(const AttentionCall& call) {
-    const PagedKVView<float>& view = call.view;
+  template <class T>
+  Status attention(const AttentionCallT<T>& call) {
+    const PagedKVView<T>& view = call.view;
     const std::int32_t B = view.batch_size;
     bool any = false, packed = false;
     for (std::int32_t b = 0; b < B; ++b) {
@@ -314,8 +373,8 @@ class KvchanPolicy : public EnginePolicy {
       indptr_.push_back(static_cast<std::int32_t>(indices_.size()));
       last_len_.push_back(st != nullptr ? st->n_old - (static_cast<std::int32_t>(st->pages.size()) - 1) * P : 0);
     }
-    channel::PackedPagePool<float>& pool = packed ? *packed_ : *full_;
-    const PagedKVView<float> old =
+    channel::PackedPagePool<T>& pool = packed ? *pools<T>().packed : *pools<T>().full;
+    const PagedKVView<T> old =
         make_csr_view(pool.geometry(), pool.k(call.layer), pool.k_strides(), pool.v(call.layer), pool.v_strides(),
                       CsrPageTable{indptr_.data(), indices_.data(), last_len_.data(), B});
     DecodeAttentionParams pk = call.params;
@@ -344,7 +403,27 @@ class KvchanPolicy : public EnginePolicy {
       }
     }
     // Observe new tokens (prefilled ones included) and this step's queries.
-    const std::vector<PagedKVView<float>>& views = eng.layer_views();
+    const std::int64_t fresh = eng.with_kv_type([&](auto tag) { return observe<decltype(tag)>(eng, ids); });
+    if (opt_.params.score == channel::ChannelScore::kThink || opt_.params.score == channel::ChannelScore::kCentered)
+      for (std::int32_t b = 0; b < info.batch; ++b)
+        for (std::int32_t l = 0; l < c.n_layers; ++l)
+          for (std::int32_t h = 0; h < H; ++h)
+            sel_->observe_q(l, h, info.queries[l] + (static_cast<std::size_t>(b) * c.n_heads + static_cast<std::size_t>(h) * G) * D);
+    const bool to_packed = sel_->tick(fresh);
+    if (opt_.params.mode != channel::ChannelMode::kDynamic) return;
+    if (to_packed) last_check_step_ = info.step;
+    eng.with_kv_type([&](auto tag) { control<decltype(tag)>(eng, info, ids); });
+  }
+
+  // Feeds the selector the K/V of every token it has not seen (widened to float); returns
+  // the largest count of new tokens of one sequence.
+  template <class T>
+  std::int64_t observe(Engine& eng, const std::vector<SeqId>& ids) {
+    const ModelConfig& c = eng.config();
+    const std::int32_t D = c.head_dim(), H = c.n_kv_heads;
+    const std::vector<PagedKVView<T>>& views = eng.layer_views<T>();
+    kbuf_.resize(static_cast<std::size_t>(D));
+    vbuf_.resize(static_cast<std::size_t>(D));
     std::int64_t fresh = 0;
     for (std::size_t b = 0; b < ids.size(); ++b) {
       SeqState& st = seqs_[ids[b]];
@@ -355,22 +434,25 @@ class KvchanPolicy : public EnginePolicy {
         for (std::int32_t l = 0; l < c.n_layers; ++l)
           for (std::int32_t h = 0; h < H; ++h) {
             const std::int32_t e = static_cast<std::int32_t>(t - st.n_old);
-            const PagedKVView<float>& v = views[static_cast<std::size_t>(l)];
-            sel_->observe_kv(l, h, v.k_ptr(static_cast<std::int32_t>(b), e, h),
-                             v.v_ptr(static_cast<std::int32_t>(b), e, h));
+            const PagedKVView<T>& v = views[static_cast<std::size_t>(l)];
+            const T* kr = v.k_ptr(static_cast<std::int32_t>(b), e, h);
+            const T* vr = v.v_ptr(static_cast<std::int32_t>(b), e, h);
+            for (std::int32_t d = 0; d < D; ++d) {
+              kbuf_[static_cast<std::size_t>(d)] = to_float(kr[d]);
+              vbuf_[static_cast<std::size_t>(d)] = to_float(vr[d]);
+            }
+            sel_->observe_kv(l, h, kbuf_.data(), vbuf_.data());
           }
       fresh = std::max(fresh, total - st.observed);
       st.observed = std::max(st.observed, total);
     }
-    if (opt_.params.score == channel::ChannelScore::kThink || opt_.params.score == channel::ChannelScore::kCentered)
-      for (std::int32_t b = 0; b < info.batch; ++b)
-        for (std::int32_t l = 0; l < c.n_layers; ++l)
-          for (std::int32_t h = 0; h < H; ++h)
-            sel_->observe_q(l, h, info.queries[l] + (static_cast<std::size_t>(b) * c.n_heads + static_cast<std::size_t>(h) * G) * D);
-    const bool to_packed = sel_->tick(fresh);
-    if (opt_.params.mode != channel::ChannelMode::kDynamic) return;
-    if (to_packed) last_check_step_ = info.step;
+    return fresh;
+  }
 
+  // Dynamic mode after the selector's tick: the fidelity guard, then packing.
+  template <class T>
+  void control(Engine& eng, const StepInfo& info, const std::vector<SeqId>& ids) {
+    const ModelConfig& c = eng.config();
     // Fidelity guard (this step's logits were computed with the packed old tokens).
     if (sel_->phase() == channel::ChannelPhase::kPacked && opt_.params.check_every > 0 &&
         info.step - last_check_step_ >= opt_.params.check_every) {
@@ -398,14 +480,14 @@ class KvchanPolicy : public EnginePolicy {
       }
       if (failed) {
         back_off();
-        if (opt_.restore_on_backoff) restore(eng, bases);
+        if (opt_.restore_on_backoff) restore<T>(eng, bases);
       }
     }
     if (sel_->phase() != channel::ChannelPhase::kPacked) return;
     for (SeqId id : ids) {
       SeqState& st = seqs_[id];
-      if (!st.packed && st.n_old > 0) repack(st);
-      pack_overflow(eng, id, st);
+      if (!st.packed && st.n_old > 0) repack<T>(st);
+      pack_overflow<T>(eng, id, st);
     }
     peak_pool_bytes_ = std::max(peak_pool_bytes_, pool_bytes());
   }
@@ -437,7 +519,9 @@ class KvchanPolicy : public EnginePolicy {
   // After back_off(): every sequence's tokens (old ones in the full-width pool, the
   // engine's window) get the K/V of its full-width recomputation (computed here for a
   // sequence the check did not recompute).
+  template <class T>
   void restore(Engine& eng, std::map<SeqId, std::unique_ptr<Engine>>& bases) {
+    channel::PackedPagePool<T>& full = *pools<T>().full;
     const ModelConfig& c = eng.config();
     const std::int32_t D = c.head_dim(), P = eng.options().page_size;
     for (SeqId id : eng.sequences()) {
@@ -445,7 +529,7 @@ class KvchanPolicy : public EnginePolicy {
       if (st == nullptr || st->n_old == 0) continue;
       if (!bases.count(id)) bases[id] = baseline(eng, id);
       Engine& base = *bases[id];
-      const PagedKVView<float>* bv = base.layer_views().data();
+      const PagedKVView<T>* bv = base.layer_views<T>().data();
       KVKIT_CHECK(base.kv_len(base.sequences().front()) == st->n_old + eng.kv_len(id),
                   "kvchan: internal: recomputation of sequence ", id, " has ", base.kv_len(base.sequences().front()),
                   " tokens, the policy holds ", st->n_old + eng.kv_len(id));
@@ -453,13 +537,13 @@ class KvchanPolicy : public EnginePolicy {
         for (std::int32_t l = 0; l < c.n_layers; ++l)
           for (std::int32_t h = 0; h < c.n_kv_heads; ++h) {
             const std::int32_t page = st->pages[static_cast<std::size_t>(t / P)];
-            std::copy_n(bv[l].k_ptr(0, t, h), D, full_->k_row(l, page, t % P, h));
-            std::copy_n(bv[l].v_ptr(0, t, h), D, full_->v_row(l, page, t % P, h));
+            std::copy_n(bv[l].k_ptr(0, t, h), D, full.k_row(l, page, t % P, h));
+            std::copy_n(bv[l].v_ptr(0, t, h), D, full.v_row(l, page, t % P, h));
           }
       eng.make_exclusive(id);
       const std::vector<SeqId> ids = eng.sequences();
       const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
-      const std::vector<PagedKVView<float>>& views = eng.layer_views();
+      const std::vector<PagedKVView<T>>& views = eng.layer_views<T>();
       for (std::int32_t e = 0; e < eng.kv_len(id); ++e)
         for (std::int32_t l = 0; l < c.n_layers; ++l)
           for (std::int32_t h = 0; h < c.n_kv_heads; ++h) {
@@ -485,7 +569,10 @@ class KvchanPolicy : public EnginePolicy {
   }
 
   void release_pages(SeqState& st) {
-    for (std::int32_t p : st.pages) (st.packed ? *packed_ : *full_).release(p);
+    eng_->with_kv_type([&](auto tag) {
+      Pools<decltype(tag)>& pl = pools<decltype(tag)>();
+      for (std::int32_t p : st.pages) (st.packed ? *pl.packed : *pl.full).release(p);
+    });
     st.pages.clear();
     st.n_old = 0;
   }
@@ -530,7 +617,8 @@ class KvchanPolicy : public EnginePolicy {
   }
 
   // Storage-only view of layer l of a policy pool (page table empty).
-  static PagedKVView<float> pool_view(channel::PackedPagePool<float>& pool, std::int32_t l) {
+  template <class T>
+  static PagedKVView<T> pool_view(channel::PackedPagePool<T>& pool, std::int32_t l) {
     static const std::int32_t kZero[1] = {0};
     return make_csr_view(pool.geometry(), pool.k(l), pool.k_strides(), pool.v(l), pool.v_strides(),
                          CsrPageTable{kZero, nullptr, nullptr, 0});
@@ -539,26 +627,27 @@ class KvchanPolicy : public EnginePolicy {
   // Packs n tokens of full-width pages src (layer l's storage: full_of(l)) into packed
   // pages dst with the frozen sets, all layers (pack_channel_pages); with compensation,
   // adds their V (and K) rows to the sums first, token by token.
-  template <class FullOf>
+  template <class T, class FullOf>
   void pack_pages(SeqState& st, FullOf&& full_of, const std::vector<std::int32_t>& src,
                   const std::vector<std::int32_t>& dst, std::int32_t n) {
-    const std::int32_t D = sel_->head_dim(), P = packed_->page_size();
+    channel::PackedPagePool<T>& packed = *pools<T>().packed;
+    const std::int32_t D = sel_->head_dim(), P = packed.page_size();
     for (std::int32_t l = 0; l < sel_->n_layers(); ++l) {
-      const PagedKVView<float> full = full_of(l);
+      const PagedKVView<T> full = full_of(l);
       if (opt_.params.mean_compensation || opt_.params.k_compensation)
         for (std::int32_t t = 0; t < n; ++t)
           for (std::int32_t h = 0; h < sel_->n_kv_heads(); ++h) {
             const std::int32_t page = src[static_cast<std::size_t>(t / P)];
             if (opt_.params.mean_compensation) {
-              const float* v = full.v_data + full.v_offset(page, t % P, h);
-              for (std::int32_t d = 0; d < D; ++d) st.v_sum[vidx(l, h) + d] += v[d];
+              const T* v = full.v_data + full.v_offset(page, t % P, h);
+              for (std::int32_t d = 0; d < D; ++d) st.v_sum[vidx(l, h) + d] += to_float(v[d]);
             }
             if (opt_.params.k_compensation) {
-              const float* kr = full.k_data + full.k_offset(page, t % P, h);
-              for (std::int32_t d = 0; d < D; ++d) st.k_sum[vidx(l, h) + d] += kr[d];
+              const T* kr = full.k_data + full.k_offset(page, t % P, h);
+              for (std::int32_t d = 0; d < D; ++d) st.k_sum[vidx(l, h) + d] += to_float(kr[d]);
             }
           }
-      const Status s = channel::pack_channel_pages(eng_->model().exec(), full, pool_view(*packed_, l),
+      const Status s = channel::pack_channel_pages(eng_->model().exec(), full, pool_view(packed, l),
                                                    sel_->packed_k(l), sel_->packed_v(l), src.data(), dst.data(),
                                                    static_cast<std::int32_t>(src.size()), n);
       if (!s.is_ok()) fail("kvchan: packing pages failed: ", s.to_string());
@@ -572,32 +661,36 @@ class KvchanPolicy : public EnginePolicy {
   }
 
   // Old tokens in the full-width pool -> packed with the current (frozen) sets.
+  template <class T>
   void repack(SeqState& st) {
+    Pools<T>& pl = pools<T>();
     ensure_sums(st);
     std::fill(st.v_sum.begin(), st.v_sum.end(), 0.0);
     std::fill(st.k_sum.begin(), st.k_sum.end(), 0.0);
     std::vector<std::int32_t> dst(st.pages.size());
-    for (std::int32_t& p : dst) p = packed_->allocate();
-    pack_pages(st, [&](std::int32_t l) { return pool_view(*full_, l); }, st.pages, dst, st.n_old);
-    for (std::int32_t p : st.pages) full_->release(p);
+    for (std::int32_t& p : dst) p = pl.packed->allocate();
+    pack_pages<T>(st, [&](std::int32_t l) { return pool_view(*pl.full, l); }, st.pages, dst, st.n_old);
+    for (std::int32_t p : st.pages) pl.full->release(p);
     st.pages = dst;
     st.packed = true;
     refresh_means(st);
   }
 
   // Packed old tokens -> full width (dropped K dims 0 or their mean; V dims 0 or the mean).
+  template <class T>
   void unpack(SeqState& st) {
     if (!st.packed) return;
+    Pools<T>& pl = pools<T>();
     std::vector<std::int32_t> dst(st.pages.size());
-    for (std::int32_t& p : dst) p = full_->allocate();
+    for (std::int32_t& p : dst) p = pl.full->allocate();
     for (std::int32_t l = 0; l < sel_->n_layers(); ++l) {
-      const Status s = channel::unpack_channel_pages(eng_->model().exec(), pool_view(*packed_, l), pool_view(*full_, l),
+      const Status s = channel::unpack_channel_pages(eng_->model().exec(), pool_view(*pl.packed, l), pool_view(*pl.full, l),
                                                      sel_->packed_k(l), sel_->packed_v(l), k_fill_of(st, l, 0),
                                                      v_fill_of(st, l, 0), st.pages.data(), dst.data(),
                                                      static_cast<std::int32_t>(dst.size()), st.n_old);
       if (!s.is_ok()) fail("kvchan: unpacking pages failed: ", s.to_string());
     }
-    for (std::int32_t p : st.pages) packed_->release(p);
+    for (std::int32_t p : st.pages) pl.packed->release(p);
     st.pages = dst;
     st.packed = false;
     st.v_sum.clear();
@@ -608,6 +701,7 @@ class KvchanPolicy : public EnginePolicy {
 
   // Moves the engine's tokens older than the window (whole pages) into packed pages and
   // gives the engine's pages back.
+  template <class T>
   void pack_overflow(Engine& eng, SeqId id, SeqState& st) {
     const std::int32_t P = eng.options().page_size, W = opt_.params.window;
     const std::int32_t len = eng.kv_len(id);
@@ -619,10 +713,8 @@ class KvchanPolicy : public EnginePolicy {
     const std::vector<std::int32_t> pages = eng.pages(id);
     const std::vector<std::int32_t> src(pages.begin(), pages.begin() + shift);
     std::vector<std::int32_t> dst(static_cast<std::size_t>(shift));
-    for (std::int32_t& p : dst) p = packed_->allocate();
-    pack_pages(st,
-               [&](std::int32_t l) { return eng.pool_view<float>(l); },
-               src, dst, n_pack);
+    for (std::int32_t& p : dst) p = pools<T>().packed->allocate();
+    pack_pages<T>(st, [&](std::int32_t l) { return eng.pool_view<T>(l); }, src, dst, n_pack);
     st.pages.insert(st.pages.end(), dst.begin(), dst.end());
     st.n_old += n_pack;
     st.packed = true;
@@ -630,7 +722,7 @@ class KvchanPolicy : public EnginePolicy {
     // Window pages down by `shift` (one pair per call: a destination may be a later source).
     const std::int32_t keep = static_cast<std::int32_t>(pages.size()) - shift;
     for (std::int32_t l = 0; l < eng.config().n_layers; ++l) {
-      const PagedKVView<float> pv = eng.pool_view<float>(l);
+      const PagedKVView<T> pv = eng.pool_view<T>(l);
       for (std::int32_t j = 0; j < keep; ++j) {
         const Status s = copy_pages(eng.model().exec(), pv, &pages[static_cast<std::size_t>(j + shift)],
                                     &pages[static_cast<std::size_t>(j)], 1);
@@ -645,7 +737,7 @@ class KvchanPolicy : public EnginePolicy {
   KvchanOptions opt_;
   Engine* eng_ = nullptr;
   std::unique_ptr<channel::ChannelSelector> sel_;
-  std::unique_ptr<channel::PackedPagePool<float>> packed_, full_;  // rK/rV pages, full-width pages
+  std::tuple<Pools<float>, Pools<half_t>, Pools<bfloat16_t>> pools_;  // the engine's page type in use
   std::map<SeqId, SeqState> seqs_;
   std::vector<KvchanCheck> checks_;
   std::int64_t checks_failed_ = 0, last_check_step_ = 0, peak_pool_bytes_ = 0, restored_tokens_ = 0;
@@ -653,6 +745,7 @@ class KvchanPolicy : public EnginePolicy {
   // Attention scratch (grows to the largest batch once).
   std::vector<std::int32_t> indptr_, indices_, last_len_;
   std::vector<float> fill_, kfill_;
+  std::vector<float> kbuf_, vbuf_;  // [head_dim] a row widened for the selector
 };
 
 }  // namespace engine

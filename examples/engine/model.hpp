@@ -79,8 +79,10 @@ template <class T>
 using AttentionFnT = std::function<Status(const AttentionCallT<T>& call)>;
 using AttentionFn = AttentionFnT<float>;
 
-/// Workspace bytes an AttentionFn needs for `view` (sized before the call, never inside).
-using AttentionWorkspaceFn = std::function<std::size_t(int layer, const PagedKVView<float>& view)>;
+/// Workspace bytes an AttentionFnT<T> needs for `view` (sized before the call, never inside).
+template <class T>
+using AttentionWorkspaceFnT = std::function<std::size_t(int layer, const PagedKVView<T>& view)>;
+using AttentionWorkspaceFn = AttentionWorkspaceFnT<float>;
 
 /// An attention replacement and its workspace requirement, one function per page type
 /// (an empty one: that page type is not supported; all empty: dense attention).
@@ -88,7 +90,10 @@ struct AttentionHook {
   AttentionFn run;                      // float32 pages
   AttentionFnT<half_t> run_f16;         // float16 pages
   AttentionFnT<bfloat16_t> run_bf16;    // bfloat16 pages
-  AttentionWorkspaceFn workspace_size;  // float32 pages; empty: no scratch beyond the dense kernel's
+  // Scratch each page type's function needs; empty: none beyond the dense kernel's.
+  AttentionWorkspaceFn workspace_size;                    // float32 pages
+  AttentionWorkspaceFnT<half_t> workspace_size_f16;       // float16 pages
+  AttentionWorkspaceFnT<bfloat16_t> workspace_size_bf16;  // bfloat16 pages
   /// True when any page type is hooked.
   bool installed() const { return run || run_f16 || run_bf16; }
   /// The function for pages of type T.
@@ -97,6 +102,13 @@ struct AttentionHook {
     if constexpr (std::is_same<T, float>::value) return run;
     else if constexpr (std::is_same<T, half_t>::value) return run_f16;
     else return run_bf16;
+  }
+  /// The workspace function for pages of type T.
+  template <class T>
+  const AttentionWorkspaceFnT<T>& workspace_fn() const {
+    if constexpr (std::is_same<T, float>::value) return workspace_size;
+    else if constexpr (std::is_same<T, half_t>::value) return workspace_size_f16;
+    else return workspace_size_bf16;
   }
 };
 
@@ -282,8 +294,8 @@ class Model {
                                      static_cast<std::int64_t>(kv)));
       std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
       const bool hooked = attention != nullptr && attention->installed();
-      if constexpr (std::is_same<T, float>::value)
-        if (hooked && attention->workspace_size) need = std::max(need, attention->workspace_size(l, view));
+      if (hooked && attention->template workspace_fn<T>())
+        need = std::max(need, attention->template workspace_fn<T>()(l, view));
       if (ws_.size() < need) ws_.resize(need);  // grows to the largest batch once
       const Workspace ws{ws_.data(), ws_.size()};
       if (hooked) {
