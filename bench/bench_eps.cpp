@@ -405,6 +405,10 @@ double best_of(int reps, F f) {
 // so dense and subset attention both start from DRAM (without it a small subset stays
 // cached between repetitions and reads faster than DRAM allows).
 bool g_cold = false;
+// --rows STR: the 64K timing table runs only the pre-pass rows whose name contains STR
+// (for profiling one configuration).
+std::string g_rows;
+int g_reps = 7;  // --reps N: best of N in the 64K timing table
 std::vector<float>& evict_buffer() {
   // 256 MiB, or twice the last-level cache where that is larger (260 MiB of L3 on the
   // Xeon CI now runs on: a fixed 256 MiB left small subsets cached there).
@@ -512,6 +516,7 @@ void timing(const Trace& t, std::int32_t m, std::int32_t l, int reps) {
                       {"strict codes 8 bit g=1, eps 1e-2", sk::SketchMethod::kCodes, true, 1, 0, 1.0, 1e-2, 8}};
   double sync_s = 0, sync_rbox = 0;
   for (const Cfg& c : cfgs) {
+    if (!g_rows.empty() && std::string(c.name).find(g_rows) == std::string::npos) continue;
     sk::SketchParams sp;
     sp.method = c.method;
     sp.strict = c.strict;
@@ -759,6 +764,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--timing-only") == 0) timing_only = true;
     if (std::strcmp(argv[i], "--cold") == 0) g_cold = true;
     if (std::strcmp(argv[i], "--huge") == 0) g_huge = true;
+    if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc) g_rows = argv[++i];
+    if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) g_reps = std::max(1, std::atoi(argv[++i]));
     if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) model = argv[++i];
   }
   const std::int32_t m = 8, l = 8;
@@ -779,7 +786,7 @@ int main(int argc, char** argv) {
   line("rotated box (rbox: 8 d + 4; + 4 d^2 basis per layer and kv head)", r128.rot, r64.rot, r8.rot);
 
   if (timing_only) {
-    timing(synthetic_trace(small ? 4096 : 65536, 99, 1), m, l, small ? 2 : 7);
+    timing(synthetic_trace(small ? 4096 : 65536, 99, 1), m, l, small ? 2 : g_reps);
     return 0;
   }
   std::vector<Row> rows;
@@ -795,6 +802,6 @@ int main(int argc, char** argv) {
     print_rows(srows, "stories260K after 500 greedy positions (every layer and kv head; 2 query heads each)");
   }
 #endif
-  timing(synthetic_trace(small ? 4096 : 65536, 99, 1), m, l, small ? 2 : 7);
+  timing(synthetic_trace(small ? 4096 : 65536, 99, 1), m, l, small ? 2 : g_reps);
   return 0;
 }

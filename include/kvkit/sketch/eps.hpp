@@ -116,7 +116,16 @@
 #include "kvkit/core/paged_kv_view.hpp"
 
 #if defined(__AVX__) || defined(__SSE2__) || defined(_M_X64)
+// GCC 12 warns inside its own AVX-512 headers (GCC bug 105593; see kernels/cpu/simd.hpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 namespace kvkit {
@@ -1296,18 +1305,36 @@ inline void rot_bounds(const float* rmin /* [groups, d] */, const float* rmax /*
 
 namespace detail {
 /// kCodes: Σ_c a_c·x_tc for the 16 tokens t of one block of codes (detail::code_blocks
-/// layout) in float, one channel a step, token t in lane t: each token's sum takes d
-/// rounded steps (a product and an add), so |error| <= (d + 2)·2⁻²³·Σ_c |a_c|·x_tc
-/// (codes_seq_slack). AVX2: two registers of 8 tokens; otherwise a portable loop.
+/// layout) in float, token t in lane t. Channels alternate between two accumulators (one
+/// chain of d/2 steps each, so the adds' latency does not serialise the loop) that are
+/// added at the end: each token's sum takes at most d/2 + 2 rounded steps, within the
+/// (d + 2)·2⁻²³·Σ_c |a_c|·x_tc of codes_seq_slack. AVX-512: one register of 16 tokens an
+/// accumulator; AVX2: two of 8; otherwise a portable loop.
 template <int kBits>
 inline void codes_block(const float* a /* [d] */, const std::uint8_t* blk /* [code_block_bytes] */, std::int32_t d,
                         float* acc /* [16] */) {
   constexpr std::int32_t kStride = kBits == 8 ? 16 : 8;  // bytes a channel
-#if defined(__AVX2__)
-  // Lanes 0-7 tokens 0-7, lanes 8-15 tokens 8-15 (mul then add: the same bound as FMA).
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  for (std::int32_t c = 0; c < d; ++c) {
-    const __m256 ac = _mm256_set1_ps(a[c]);
+#if !defined(KVKIT_SIMD_PORTABLE) && defined(__AVX512F__)
+  auto codes16 = [&](std::int32_t c) {  // tokens 0-15 of channel c as 16 float lanes
+    const std::uint8_t* x = blk + static_cast<std::size_t>(c) * kStride;
+    if (kBits == 8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi32(15))),
+                                            _mm256_srli_epi32(b, 4), 1);
+    return _mm512_cvtepi32_ps(both);
+  };
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  std::int32_t c = 0;
+  for (; c + 2 <= d; c += 2) {
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[c]), codes16(c), s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[c + 1]), codes16(c + 1), s1);
+  }
+  if (c < d) s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[c]), codes16(c), s0);
+  _mm512_storeu_ps(acc, _mm512_add_ps(s0, s1));
+#elif !defined(KVKIT_SIMD_PORTABLE) && defined(__AVX2__)
+  // Lanes 0-7 tokens 0-7, lanes 8-15 tokens 8-15 (mul then add: the same bound as FMA);
+  // even channels in s0 / s1, odd ones in s2 / s3.
+  auto codes8 = [&](std::int32_t c, __m256* lo8, __m256* hi8) {
     const std::uint8_t* x = blk + static_cast<std::size_t>(c) * kStride;
     __m256i lo, hi;
     if (kBits == 8) {
@@ -1319,25 +1346,108 @@ inline void codes_block(const float* a /* [d] */, const std::uint8_t* blk /* [co
       lo = _mm256_and_si256(b, _mm256_set1_epi32(15));
       hi = _mm256_srli_epi32(b, 4);
     }
-    s0 = _mm256_add_ps(s0, _mm256_mul_ps(ac, _mm256_cvtepi32_ps(lo)));
-    s1 = _mm256_add_ps(s1, _mm256_mul_ps(ac, _mm256_cvtepi32_ps(hi)));
+    *lo8 = _mm256_cvtepi32_ps(lo);
+    *hi8 = _mm256_cvtepi32_ps(hi);
+  };
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+  __m256 lo8, hi8;
+  std::int32_t c = 0;
+  for (; c + 2 <= d; c += 2) {
+    const __m256 a0 = _mm256_set1_ps(a[c]), a1 = _mm256_set1_ps(a[c + 1]);
+    codes8(c, &lo8, &hi8);
+    s0 = _mm256_add_ps(s0, _mm256_mul_ps(a0, lo8));
+    s1 = _mm256_add_ps(s1, _mm256_mul_ps(a0, hi8));
+    codes8(c + 1, &lo8, &hi8);
+    s2 = _mm256_add_ps(s2, _mm256_mul_ps(a1, lo8));
+    s3 = _mm256_add_ps(s3, _mm256_mul_ps(a1, hi8));
   }
-  _mm256_storeu_ps(acc, s0);
-  _mm256_storeu_ps(acc + 8, s1);
+  if (c < d) {
+    const __m256 a0 = _mm256_set1_ps(a[c]);
+    codes8(c, &lo8, &hi8);
+    s0 = _mm256_add_ps(s0, _mm256_mul_ps(a0, lo8));
+    s1 = _mm256_add_ps(s1, _mm256_mul_ps(a0, hi8));
+  }
+  _mm256_storeu_ps(acc, _mm256_add_ps(s0, s2));
+  _mm256_storeu_ps(acc + 8, _mm256_add_ps(s1, s3));
 #else
-  float s[16] = {};
+  float s[2][16] = {};
   for (std::int32_t c = 0; c < d; ++c) {
     const float ac = a[c];
     const std::uint8_t* x = blk + static_cast<std::size_t>(c) * kStride;
+    float* sc = s[c & 1];
     for (int j = 0; j < 8; ++j) {
       const std::uint32_t lo = kBits == 8 ? x[j] : (x[j] & 15u), hi = kBits == 8 ? x[j + 8] : (x[j] >> 4);
-      s[j] += ac * static_cast<float>(static_cast<std::int32_t>(lo));
-      s[j + 8] += ac * static_cast<float>(static_cast<std::int32_t>(hi));
+      sc[j] += ac * static_cast<float>(static_cast<std::int32_t>(lo));
+      sc[j + 8] += ac * static_cast<float>(static_cast<std::int32_t>(hi));
     }
   }
-  for (int j = 0; j < 16; ++j) acc[j] = s[j];
+  for (int j = 0; j < 16; ++j) acc[j] = s[0][j] + s[1][j];
 #endif
 }
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_bit_cast) && !defined(__CUDACC__)
+#define KVKIT_EPS_HAS_BIT_CAST 1
+#endif
+#endif
+/// The bits of `from` as a To of the same size (std::bit_cast before C++20; the builtin,
+/// where there is one, keeps loops over it vectorisable).
+template <class To, class From>
+inline To bit_cast_to(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast_to: sizes differ");
+#if defined(KVKIT_EPS_HAS_BIT_CAST)
+  return __builtin_bit_cast(To, from);
+#else
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+#endif
+}
+
+/// Relative error bound of exp_sum_neg (below): 2⁻¹⁸ ≈ 3.8e-6, about 6x what its
+/// arithmetic can err (degree-6 Taylor remainder on |r| <= ln2/2: 1.7e-7 relative; the
+/// float Horner steps and the final product: < 5e-7; the reduction in double: ~1e-14), and
+/// test_eps checks 4x under it against std::exp.
+inline constexpr double kExpSumRel = 0x1p-18;
+
+/// Σ_t e^{x_t} for x_t <= 0, in a loop compilers vectorise: x clamped to >= -80 (raises a
+/// term by < e^-80 < 2e-35), then e^x = 2^k·e^r with k = round(x/ln 2) and r = x − k·ln 2
+/// in double, e^r by a degree-6 polynomial in float, 2^k (normal: k >= -116) set in the
+/// exponent bits; the terms are summed in double. Result within kExpSumRel·Σ e^x + n·2e-35
+/// of the exact sum (no subnormal float arithmetic anywhere).
+/// e^x of exp_sum_neg for -80 <= x <= 0 (the caller clamps, in a loop of its own: GCC does
+/// not vectorise a loop where the comparison meets this arithmetic).
+inline double exp_neg_term(double xc) {
+  // x/ln 2 + 1.5·2^52 rounds to an integer k in the low mantissa bits: k as a double and
+  // as an int32 without a float-to-int conversion (the loop stays branch-free).
+  const double kb = xc * 1.4426950408889634 + 0x1.8p52;
+  const double k = kb - 0x1.8p52;
+  const std::int64_t kbits = bit_cast_to<std::int64_t>(kb);
+  const float r = static_cast<float>(xc - k * 0.6931471805599453);
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float two_k = bit_cast_to<float>((static_cast<std::int32_t>(kbits) + 127) << 23);
+  return static_cast<double>(p * two_k);
+}
+inline double exp_sum_neg(double* x /* [n] in: exponents, out: their exp */, std::int32_t n) {
+  for (std::int32_t t = 0; t < n; ++t) x[t] = std::max(x[t], -80.0);
+  for (std::int32_t t = 0; t < n; ++t) x[t] = exp_neg_term(x[t]);  // both loops vectorise
+  // 8 double lanes: the sum errs by < n·2⁻⁵³ relative, far inside kExpSumRel.
+  double lane[8] = {};
+  std::int32_t t = 0;
+  for (; t + 8 <= n; t += 8)
+    for (int j = 0; j < 8; ++j) lane[j] += x[t + j];
+  for (; t < n; ++t) lane[0] += x[t];
+  double sum = 0;
+  for (double v : lane) sum += v;
+  return sum;
+}
+
 /// Relative error factor of codes_block's sums of d products.
 inline double codes_seq_slack(std::int32_t d) { return (static_cast<double>(d) + 2) * 0x1p-23; }
 
@@ -1408,10 +1518,13 @@ inline void codes_log_mass(const float* lo /* [d] */, const float* hi /* [d] */,
       M = std::max(M, dots[t0 + j]);
     }
   }
-  double sum = 0;
-  for (std::int32_t t = 0; t < ntok; ++t) sum += std::exp(scale * (dots[t] - M));
+  for (std::int32_t t = 0; t < ntok; ++t) dots[t] = scale * (dots[t] - M);  // <= 0, one is 0
+  const double sum = exp_sum_neg(dots, ntok);
   const double top = scale * (base + M + slack), ls = std::log(sum);
-  const double margin = 1e-12 * (1 + std::fabs(top) + std::fabs(ls) + scale * gap);
+  // exp_sum_neg errs by <= kExpSumRel relative plus ntok·2e-35, and the exact sum is >= 1
+  // (the largest term is e^0), so 2·kExpSumRel + ntok·2e-35 bounds |log(sum) − log(exact)|.
+  const double margin = 1e-12 * (1 + std::fabs(top) + std::fabs(ls) + scale * gap) + 2 * kExpSumRel +
+                        static_cast<double>(ntok) * 2e-35;
   *log_hi = top + ls + margin;
   *log_lo = top + ls - scale * gap - margin;
 }
