@@ -116,16 +116,7 @@
 #include "kvkit/core/paged_kv_view.hpp"
 
 #if defined(__AVX__) || defined(__SSE2__) || defined(_M_X64)
-// GCC 12 warns inside its own AVX-512 headers (GCC bug 105593; see kernels/cpu/simd.hpp).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kvkit/core/immintrin.hpp"
 #endif
 
 namespace kvkit {

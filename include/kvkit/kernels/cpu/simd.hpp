@@ -32,21 +32,11 @@
 
 #if !defined(KVKIT_SIMD_PORTABLE) && !defined(__CUDA_ARCH__) && defined(__AVX512F__)
 #define KVKIT_SIMD_AVX512 1
-// GCC 12 warns inside its own AVX-512 headers (_mm512_undefined_* "may be used
-// uninitialized", GCC bug 105593); the warning is located in the header, so silence it there.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kvkit/core/immintrin.hpp"  // GCC 12's warnings inside <immintrin.h> silenced there
 #elif !defined(KVKIT_SIMD_PORTABLE) && !defined(__CUDA_ARCH__) && defined(__AVX2__) && \
     defined(__FMA__) && defined(__F16C__)
 #define KVKIT_SIMD_AVX2 1
-#include <immintrin.h>
+#include "kvkit/core/immintrin.hpp"
 #elif !defined(KVKIT_SIMD_PORTABLE) && !defined(__CUDA_ARCH__) && defined(__ARM_NEON) && \
     defined(__aarch64__)
 #define KVKIT_SIMD_NEON 1
