@@ -53,6 +53,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "engine/engine.hpp"
@@ -259,31 +260,30 @@ class KvchanPolicy : public EnginePolicy {
     const SeqState* st = find(id);
     const std::int32_t n_old = st ? st->n_old : 0;
     const std::int32_t P = eng_->options().page_size;
-    const auto widen = [D](const T* src, float* dst) {
-      for (std::int32_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
-    };
+    const std::size_t n = static_cast<std::size_t>(D);
     if (t >= n_old) {
       const auto ids = eng_->sequences();
       const std::int32_t b = static_cast<std::int32_t>(std::find(ids.begin(), ids.end(), id) - ids.begin());
       const PagedKVView<T>& view = eng_->layer_views<T>()[static_cast<std::size_t>(layer)];
-      widen(view.k_ptr(b, t - n_old, head), k);
-      widen(view.v_ptr(b, t - n_old, head), v);
+      kvkit::detail::cpu::convert(view.k_ptr(b, t - n_old, head), k, n);
+      kvkit::detail::cpu::convert(view.v_ptr(b, t - n_old, head), v, n);
       return;
     }
     Pools<T>& p = pools<T>();
     const std::int32_t page = st->pages[static_cast<std::size_t>(t / P)], slot = t % P;
     if (!st->packed) {
-      widen(p.full->k_row(layer, page, slot, head), k);
-      widen(p.full->v_row(layer, page, slot, head), v);
+      kvkit::detail::cpu::convert(p.full->k_row(layer, page, slot, head), k, n);
+      kvkit::detail::cpu::convert(p.full->v_row(layer, page, slot, head), v, n);
       return;
     }
     const std::int32_t rk = sel_->r_k(), rv = sel_->r_v();
-    std::vector<float> kr(static_cast<std::size_t>(rk)), vr(static_cast<std::size_t>(rv));
-    for (std::int32_t c = 0; c < rk; ++c) kr[static_cast<std::size_t>(c)] = to_float(p.packed->k_row(layer, page, slot, head)[c]);
-    for (std::int32_t c = 0; c < rv; ++c) vr[static_cast<std::size_t>(c)] = to_float(p.packed->v_row(layer, page, slot, head)[c]);
-    channel::unpack_channels(kr.data(), 0, sel_->packed_k(layer) + head * rk, rk, D, 1, k_fill_of(*st, layer, head),
+    kbuf_.resize(n);  // rK, rV <= head_dim; no allocation once observe has run
+    vbuf_.resize(n);
+    kvkit::detail::cpu::convert(p.packed->k_row(layer, page, slot, head), kbuf_.data(), static_cast<std::size_t>(rk));
+    kvkit::detail::cpu::convert(p.packed->v_row(layer, page, slot, head), vbuf_.data(), static_cast<std::size_t>(rv));
+    channel::unpack_channels(kbuf_.data(), 0, sel_->packed_k(layer) + head * rk, rk, D, 1, k_fill_of(*st, layer, head),
                              k, 0);
-    channel::unpack_channels(vr.data(), 0, sel_->packed_v(layer) + head * rv, rv, D, 1, v_fill_of(*st, layer, head),
+    channel::unpack_channels(vbuf_.data(), 0, sel_->packed_v(layer) + head * rv, rv, D, 1, v_fill_of(*st, layer, head),
                              v, 0);
   }
 
@@ -437,11 +437,13 @@ class KvchanPolicy : public EnginePolicy {
             const PagedKVView<T>& v = views[static_cast<std::size_t>(l)];
             const T* kr = v.k_ptr(static_cast<std::int32_t>(b), e, h);
             const T* vr = v.v_ptr(static_cast<std::int32_t>(b), e, h);
-            for (std::int32_t d = 0; d < D; ++d) {
-              kbuf_[static_cast<std::size_t>(d)] = to_float(kr[d]);
-              vbuf_[static_cast<std::size_t>(d)] = to_float(vr[d]);
+            if constexpr (std::is_same<T, float>::value) {
+              sel_->observe_kv(l, h, kr, vr);  // float pages: the rows themselves, no copy
+            } else {
+              kvkit::detail::cpu::convert(kr, kbuf_.data(), static_cast<std::size_t>(D));
+              kvkit::detail::cpu::convert(vr, vbuf_.data(), static_cast<std::size_t>(D));
+              sel_->observe_kv(l, h, kbuf_.data(), vbuf_.data());
             }
-            sel_->observe_kv(l, h, kbuf_.data(), vbuf_.data());
           }
       fresh = std::max(fresh, total - st.observed);
       st.observed = std::max(st.observed, total);
@@ -745,7 +747,7 @@ class KvchanPolicy : public EnginePolicy {
   // Attention scratch (grows to the largest batch once).
   std::vector<std::int32_t> indptr_, indices_, last_len_;
   std::vector<float> fill_, kfill_;
-  std::vector<float> kbuf_, vbuf_;  // [head_dim] a row widened for the selector
+  std::vector<float> kbuf_, vbuf_;  // [head_dim] a row widened (16-bit pages; read_token)
 };
 
 }  // namespace engine
