@@ -17,6 +17,7 @@
 #include <tuple>
 
 #include "cli_runner.hpp"
+#include "test_scale.hpp"
 
 using namespace kvkit::test;
 
@@ -170,19 +171,7 @@ void check_score(const Config& c, const Run& r, bool repeat) {
   check_compensation_effect(off, on, c.shape);
 }
 
-bool sanitized_build() {
-#if defined(__SANITIZE_ADDRESS__)
-  return true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-  return true;
-#else
-  return false;
-#endif
-#else
-  return false;
-#endif
-}
+bool sanitized_build() { return kvkit::test::kSanitized; }
 
 }  // namespace
 

@@ -26,6 +26,7 @@
 #include "engine/npy.hpp"
 #include "reference_forward.hpp"
 #include "engine_runs.hpp"
+#include "test_scale.hpp"
 
 using namespace kvkit;
 using namespace kvkit::engine;
@@ -77,7 +78,7 @@ std::string slurp(const std::string& path) {
 TEST_CASE("paged layouts, page sizes and page tables decode identical tokens", "[engine]") {
   for (const test::NamedModel& m : test::synthetic_and_stories()) {
     INFO("model " << m.name);
-    const int steps = 256;
+    const int steps = test::scaled(256, 128);  // 128: still 8 pages of 16, 2 of 64
     EngineOptions contiguous;
     contiguous.contiguous = true;
     const auto ref = run_engine(m.ckpt, contiguous, {{kBosToken}}, steps)[0];
@@ -115,7 +116,7 @@ TEST_CASE("paged layouts, page sizes and page tables decode identical tokens", "
 TEST_CASE("a batch with different prompts matches each sequence run alone", "[engine]") {
   for (const test::NamedModel& m : test::synthetic_and_stories()) {
     INFO("model " << m.name);
-    const int steps = 256;
+    const int steps = test::scaled(256, 128);
     const std::vector<std::vector<std::int32_t>> prompts = {
         {kBosToken}, {kBosToken, 300, 301, 302}, {kBosToken, 400}, {kBosToken, 7, 99, 260, 261, 262, 263}};
     std::vector<std::vector<std::int32_t>> alone;

@@ -17,6 +17,7 @@
 #include "kvkit/kernels/cpu.hpp"
 #include "kvkit/sketch/eps.hpp"
 #include "reference.hpp"
+#include "test_scale.hpp"
 
 namespace sk = kvkit::sketch;
 using kvkit::half_t;
@@ -25,17 +26,7 @@ using kvkit::test::RandomPool;
 
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using kvkit::test::kSanitized;
 
 template <class T>
 double dotd(const T* a, const float* q, int d) {

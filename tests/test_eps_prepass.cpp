@@ -20,14 +20,8 @@
 #include "eps_cases.hpp"
 #include "kvkit/sketch/eps.hpp"
 #include "reference.hpp"
+#include "test_scale.hpp"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define KVKIT_TEST_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define KVKIT_TEST_SANITIZED 1
-#endif
-#endif
 
 namespace {
 std::atomic<long> g_allocs{0};

@@ -37,6 +37,7 @@
 #include "redis_cluster.hpp"
 #include "redis_server.hpp"
 #include "reference.hpp"
+#include "test_scale.hpp"
 
 using namespace kvkit;
 using namespace kvkit::store;
@@ -855,17 +856,7 @@ bool reset_peak_rss() {
   return std::fclose(f) == 0 && ok;
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAsan = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAsan = true;
-#else
-constexpr bool kAsan = false;
-#endif
-#else
-constexpr bool kAsan = false;
-#endif
+constexpr bool kAsan = kvkit::test::kSanitized;
 
 }  // namespace
 

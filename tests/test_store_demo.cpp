@@ -16,6 +16,7 @@
 #include "engine/gguf.hpp"
 #include "engine/gguf_checkpoint.hpp"
 #include "kvkit/store/block_store.hpp"
+#include "test_scale.hpp"
 #if defined(KVKIT_TEST_REDIS)
 #include "redis_server.hpp"
 #endif
@@ -29,6 +30,11 @@ const std::string kStoriesPath = std::string(KVKIT_MODEL_DIR) + "/stories260K.bi
 const std::string kSmolPath = std::string(KVKIT_MODEL_DIR) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 bool file_exists(const std::string& p) { return std::ifstream(p).good(); }
+
+// The workloads: a shared prefix of kPrefix tokens (17 pages of 16, 9 under the sanitizers)
+// and kRequests requests with their own suffixes.
+constexpr std::int32_t kPrefix = kvkit::test::scaled(272, 144);
+constexpr std::int32_t kRequests = kvkit::test::scaled(4, 2);
 
 // Baseline (no store), cold (save only) and warm (fresh engine, load) runs over `backend`.
 struct ThreeRuns {
@@ -71,20 +77,20 @@ void check_warm(const ThreeRuns& r, const DemoWorkload& w, std::int32_t P) {
 
 TEST_CASE("store demo: synthetic model, memory store: warm run equals the store-free run", "[store_demo]") {
   auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
-  const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4);
-  REQUIRE(w.shared_prefix_tokens >= 256);
+  const DemoWorkload w = token_workload(ck->config().vocab_size, kPrefix, kRequests);
+  REQUIRE(w.shared_prefix_tokens >= kPrefix - 16);
   store::MemoryBackend mem(64u << 20);
   const ThreeRuns r = run_three(ck, w, mem, store::make_namespace("synthetic"), 12);
   check_warm(r, w, 16);
-  // 17 shared prefix blocks saved once, plus each request's own full blocks.
-  CHECK(r.cold.blocks_saved >= 17);
+  // The shared prefix blocks saved once, plus each request's own full blocks.
+  CHECK(r.cold.blocks_saved >= kPrefix / 16);
   CHECK(r.cold.requests[1].saved_blocks < r.cold.requests[0].saved_blocks);
 }
 
 TEST_CASE("store demo: 16-bit pages store 16-bit blocks (half the bytes); another dtype's blocks are a miss",
           "[store_demo][kv_dtype]") {
   auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
-  const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4, 5);
+  const DemoWorkload w = token_workload(ck->config().vocab_size, kPrefix, kRequests, 5);
   store::MemoryBackend mem32(64u << 20);
   const ThreeRuns r32 = run_three(ck, w, mem32, store::make_namespace("synthetic-f32"), 8);
   check_warm(r32, w, 16);
@@ -116,7 +122,7 @@ TEST_CASE("store demo: 16-bit pages store 16-bit blocks (half the bytes); anothe
 TEST_CASE("store demo: a corrupted stored block is a miss, outputs stay exact, the save repairs it",
           "[store_demo]") {
   auto ck = std::make_shared<const Checkpoint>(default_synthetic_checkpoint());
-  const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4, 11);
+  const DemoWorkload w = token_workload(ck->config().vocab_size, kPrefix, kRequests, 11);
   store::MemoryBackend mem(64u << 20);
   const std::string ns = store::make_namespace("synthetic-corrupt");
   DemoRunConfig cfg;
@@ -216,7 +222,7 @@ TEST_CASE("store demo: stories260K, memory store", "[store_demo]") {
     return;
   }
   auto ck = std::make_shared<const Checkpoint>(load_checkpoint(kStoriesPath));
-  const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4);
+  const DemoWorkload w = token_workload(ck->config().vocab_size, kPrefix, kRequests);
   store::MemoryBackend mem(64u << 20);
   const ThreeRuns r = run_three(ck, w, mem, store::make_namespace("stories260K"), 24);
   check_warm(r, w, 16);
@@ -237,7 +243,7 @@ TEST_CASE("store demo: stories260K on a private redis-server", "[store_demo][red
     return;
   }
   store::RedisBackend redis(server.options());
-  const DemoWorkload w = token_workload(ck->config().vocab_size, 272, 4);
+  const DemoWorkload w = token_workload(ck->config().vocab_size, kPrefix, kRequests);
   const ThreeRuns r = run_three(ck, w, redis, store::make_namespace("stories260K-redis"), 24);
   check_warm(r, w, 16);
   // float16 pages move float16 blocks through the same server.
