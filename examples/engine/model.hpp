@@ -238,120 +238,7 @@ class Model {
   /// Returns the first failing kernel's (or hook's) Status.
   template <class T>
   Status forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_layers] */,
-                 float* logits /* [batch, vocab] */, const AttentionHook* attention = nullptr) {
-    const ModelConfig& c = config();
-    const std::int32_t B = in.batch;
-    KVKIT_CHECK_STATUS(B > 0, StatusCode::kInvalidArgument, "batch must be > 0, got ", B);
-    for (std::int32_t b = 0; b < B; ++b) {
-      KVKIT_CHECK_STATUS(in.tokens[b] >= 0 && in.tokens[b] < c.vocab_size, StatusCode::kOutOfRange,
-                         "token id ", in.tokens[b], " outside the vocabulary [0, ", c.vocab_size, ")");
-      KVKIT_CHECK_STATUS(in.positions[b] >= 0 && in.positions[b] < c.seq_len,
-                         StatusCode::kOutOfRange, "position ", in.positions[b],
-                         " outside the model's seq_len ", c.seq_len);
-    }
-    ensure_scratch(B);
-    last_batch_ = B;
-    using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    using W = Eigen::Map<const RowMat>;
-    using M = Eigen::Map<Eigen::MatrixXf>;
-    const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
-    M x(x_.data(), dim, B), xb(xb_.data(), dim, B), att(att_.data(), dim, B);
-    M k(k_.data(), kv, B), v(v_.data(), kv, B), h1(h1_.data(), hid, B), h3(h3_.data(), hid, B);
-
-    for (std::int32_t b = 0; b < B; ++b)
-      x.col(b) = Eigen::Map<const Eigen::VectorXf>(
-          ck_->token_embedding() + static_cast<std::size_t>(in.tokens[b]) * dim, dim);
-
-    const exec::Host ex = exec();
-    const DecodeAttentionParams ap = attention_params();
-    for (int l = 0; l < c.n_layers; ++l) {
-      const PagedKVView<T>& view = views[l];
-      KVKIT_CHECK_STATUS(view.batch_size == B && view.num_kv_heads == c.n_kv_heads &&
-                             view.head_dim == hd,
-                         StatusCode::kInvalidArgument, "layer ", l, " view (batch ",
-                         view.batch_size, ", kv heads ", view.num_kv_heads, ", head_dim ",
-                         view.head_dim, ") does not match the step (batch ", B, ", kv heads ",
-                         c.n_kv_heads, ", head_dim ", hd, ")");
-      M q(q_[static_cast<std::size_t>(l)].data(), dim, B);
-      const QuantLayer* ql = quant_ ? &quant_->layers[static_cast<std::size_t>(l)] : nullptr;
-      rmsnorm(x, ck_->rms_att(l), xb);
-      if (ql) {
-        for (std::int32_t b = 0; b < B; ++b) {
-          const QMatvecOut o[3] = {{&ql->wq, q.col(b).data()}, {&ql->wk, k.col(b).data()},
-                                   {&ql->wv, v.col(b).data()}};
-          qmatvec(xb.col(b).data(), dim, o, 3);
-        }
-      } else {
-        matvec(W(ck_->wq(l), dim, dim), xb, q);
-        matvec(W(ck_->wk(l), kv, dim), xb, k);
-        matvec(W(ck_->wv(l), kv, dim), xb, v);
-      }
-      for (std::int32_t b = 0; b < B; ++b) {
-        rope(q.col(b).data(), c.n_heads, in.positions[b]);
-        rope(k.col(b).data(), c.n_kv_heads, in.positions[b]);
-      }
-      KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), in.slots, B,
-                                     static_cast<std::int64_t>(kv)));
-      std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
-      const bool hooked = attention != nullptr && attention->installed();
-      if (hooked && attention->template workspace_fn<T>())
-        need = std::max(need, attention->template workspace_fn<T>()(l, view));
-      if (ws_.size() < need) ws_.resize(need);  // grows to the largest batch once
-      const Workspace ws{ws_.data(), ws_.size()};
-      if (hooked) {
-        AttentionCallT<T> call;
-        call.layer = l;
-        call.view = view;
-        call.seq_ids = in.seq_ids;
-        call.params = ap;
-        call.exec = ex;
-        call.workspace = ws;
-        KVKIT_RETURN_IF_ERROR(hooked_attention(*attention, call, q.data(), att.data(), B * dim, q16_));
-      } else {
-        KVKIT_RETURN_IF_ERROR(decode_attention(ex, view, q.data(), att.data(), B * dim, ap, ws, q16_));
-      }
-      if (ql) {
-        for (std::int32_t b = 0; b < B; ++b) {
-          const QMatvecOut o{&ql->wo, xb.col(b).data()};
-          qmatvec(att.col(b).data(), dim, &o, 1);
-        }
-      } else {
-        matvec(W(ck_->wo(l), dim, dim), att, xb);
-      }
-      x += xb;
-      rmsnorm(x, ck_->rms_ffn(l), xb);
-      if (ql) {
-        for (std::int32_t b = 0; b < B; ++b) {
-          const QMatvecOut o[2] = {{&ql->w1, h1.col(b).data()}, {&ql->w3, h3.col(b).data()}};
-          qmatvec(xb.col(b).data(), dim, o, 2);
-        }
-      } else {
-        matvec(W(ck_->w1(l), hid, dim), xb, h1);
-        matvec(W(ck_->w3(l), hid, dim), xb, h3);
-      }
-      h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
-      if (ql) {
-        for (std::int32_t b = 0; b < B; ++b) {
-          const QMatvecOut o{&ql->w2, xb.col(b).data()};
-          qmatvec(h1.col(b).data(), hid, &o, 1);
-        }
-      } else {
-        matvec(W(ck_->w2(l), dim, hid), h1, xb);
-      }
-      x += xb;
-    }
-    rmsnorm(x, ck_->rms_final(), xb);
-    M out(logits, c.vocab_size, B);
-    if (quant_) {
-      for (std::int32_t b = 0; b < B; ++b) {
-        const QMatvecOut o{&quant_->classifier, out.col(b).data()};
-        qmatvec(xb.col(b).data(), dim, &o, 1);
-      }
-    } else {
-      matvec(W(ck_->classifier(), c.vocab_size, dim), xb, out);
-    }
-    return Status::ok();
-  }
+                 float* logits /* [batch, vocab] */, const AttentionHook* attention = nullptr);
 
   /// Post-RoPE queries of layer `layer` from the last forward, [last_batch(), Hq, D].
   const float* queries(int layer) const { return q_.at(static_cast<std::size_t>(layer)).data(); }
@@ -428,6 +315,135 @@ class Model {
   std::vector<unsigned char> ws_;                      // attention workspace
   Scratch16 q16_;                                      // 16-bit q / out of decode_attention
 };
+
+template <class T>
+Status Model::forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_layers] */,
+                      float* logits /* [batch, vocab] */, const AttentionHook* attention) {
+  const ModelConfig& c = config();
+  const std::int32_t B = in.batch;
+  KVKIT_CHECK_STATUS(B > 0, StatusCode::kInvalidArgument, "batch must be > 0, got ", B);
+  for (std::int32_t b = 0; b < B; ++b) {
+    KVKIT_CHECK_STATUS(in.tokens[b] >= 0 && in.tokens[b] < c.vocab_size, StatusCode::kOutOfRange,
+                       "token id ", in.tokens[b], " outside the vocabulary [0, ", c.vocab_size, ")");
+    KVKIT_CHECK_STATUS(in.positions[b] >= 0 && in.positions[b] < c.seq_len,
+                       StatusCode::kOutOfRange, "position ", in.positions[b],
+                       " outside the model's seq_len ", c.seq_len);
+  }
+  ensure_scratch(B);
+  last_batch_ = B;
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using W = Eigen::Map<const RowMat>;
+  using M = Eigen::Map<Eigen::MatrixXf>;
+  const int dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
+  M x(x_.data(), dim, B), xb(xb_.data(), dim, B), att(att_.data(), dim, B);
+  M k(k_.data(), kv, B), v(v_.data(), kv, B), h1(h1_.data(), hid, B), h3(h3_.data(), hid, B);
+
+  for (std::int32_t b = 0; b < B; ++b)
+    x.col(b) = Eigen::Map<const Eigen::VectorXf>(
+        ck_->token_embedding() + static_cast<std::size_t>(in.tokens[b]) * dim, dim);
+
+  const exec::Host ex = exec();
+  const DecodeAttentionParams ap = attention_params();
+  for (int l = 0; l < c.n_layers; ++l) {
+    const PagedKVView<T>& view = views[l];
+    KVKIT_CHECK_STATUS(view.batch_size == B && view.num_kv_heads == c.n_kv_heads &&
+                           view.head_dim == hd,
+                       StatusCode::kInvalidArgument, "layer ", l, " view (batch ",
+                       view.batch_size, ", kv heads ", view.num_kv_heads, ", head_dim ",
+                       view.head_dim, ") does not match the step (batch ", B, ", kv heads ",
+                       c.n_kv_heads, ", head_dim ", hd, ")");
+    M q(q_[static_cast<std::size_t>(l)].data(), dim, B);
+    const QuantLayer* ql = quant_ ? &quant_->layers[static_cast<std::size_t>(l)] : nullptr;
+    rmsnorm(x, ck_->rms_att(l), xb);
+    if (ql) {
+      for (std::int32_t b = 0; b < B; ++b) {
+        const QMatvecOut o[3] = {{&ql->wq, q.col(b).data()}, {&ql->wk, k.col(b).data()},
+                                 {&ql->wv, v.col(b).data()}};
+        qmatvec(xb.col(b).data(), dim, o, 3);
+      }
+    } else {
+      matvec(W(ck_->wq(l), dim, dim), xb, q);
+      matvec(W(ck_->wk(l), kv, dim), xb, k);
+      matvec(W(ck_->wv(l), kv, dim), xb, v);
+    }
+    for (std::int32_t b = 0; b < B; ++b) {
+      rope(q.col(b).data(), c.n_heads, in.positions[b]);
+      rope(k.col(b).data(), c.n_kv_heads, in.positions[b]);
+    }
+    KVKIT_RETURN_IF_ERROR(write_kv(ex, view, k_.data(), v_.data(), in.slots, B,
+                                   static_cast<std::int64_t>(kv)));
+    std::size_t need = paged_decode_attention_workspace_size(ex, view, ap);
+    const bool hooked = attention != nullptr && attention->installed();
+    if (hooked && attention->template workspace_fn<T>())
+      need = std::max(need, attention->template workspace_fn<T>()(l, view));
+    if (ws_.size() < need) ws_.resize(need);  // grows to the largest batch once
+    const Workspace ws{ws_.data(), ws_.size()};
+    if (hooked) {
+      AttentionCallT<T> call;
+      call.layer = l;
+      call.view = view;
+      call.seq_ids = in.seq_ids;
+      call.params = ap;
+      call.exec = ex;
+      call.workspace = ws;
+      KVKIT_RETURN_IF_ERROR(hooked_attention(*attention, call, q.data(), att.data(), B * dim, q16_));
+    } else {
+      KVKIT_RETURN_IF_ERROR(decode_attention(ex, view, q.data(), att.data(), B * dim, ap, ws, q16_));
+    }
+    if (ql) {
+      for (std::int32_t b = 0; b < B; ++b) {
+        const QMatvecOut o{&ql->wo, xb.col(b).data()};
+        qmatvec(att.col(b).data(), dim, &o, 1);
+      }
+    } else {
+      matvec(W(ck_->wo(l), dim, dim), att, xb);
+    }
+    x += xb;
+    rmsnorm(x, ck_->rms_ffn(l), xb);
+    if (ql) {
+      for (std::int32_t b = 0; b < B; ++b) {
+        const QMatvecOut o[2] = {{&ql->w1, h1.col(b).data()}, {&ql->w3, h3.col(b).data()}};
+        qmatvec(xb.col(b).data(), dim, o, 2);
+      }
+    } else {
+      matvec(W(ck_->w1(l), hid, dim), xb, h1);
+      matvec(W(ck_->w3(l), hid, dim), xb, h3);
+    }
+    h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
+    if (ql) {
+      for (std::int32_t b = 0; b < B; ++b) {
+        const QMatvecOut o{&ql->w2, xb.col(b).data()};
+        qmatvec(h1.col(b).data(), hid, &o, 1);
+      }
+    } else {
+      matvec(W(ck_->w2(l), dim, hid), h1, xb);
+    }
+    x += xb;
+  }
+  rmsnorm(x, ck_->rms_final(), xb);
+  M out(logits, c.vocab_size, B);
+  if (quant_) {
+    for (std::int32_t b = 0; b < B; ++b) {
+      const QMatvecOut o{&quant_->classifier, out.col(b).data()};
+      qmatvec(xb.col(b).data(), dim, &o, 1);
+    }
+  } else {
+    matvec(W(ck_->classifier(), c.vocab_size, dim), xb, out);
+  }
+  return Status::ok();
+}
+
+// Built once in the kvkit_example_engine library (engine_instances.cpp) rather than in
+// every file that runs the engine; without KVKIT_ENGINE_PRECOMPILED (copying the headers
+// alone) each user instantiates them.
+#if defined(KVKIT_ENGINE_PRECOMPILED)
+extern template Status Model::forward<float>(const ForwardBatch&, const PagedKVView<float>*, float*,
+                                             const AttentionHook*);
+extern template Status Model::forward<half_t>(const ForwardBatch&, const PagedKVView<half_t>*, float*,
+                                              const AttentionHook*);
+extern template Status Model::forward<bfloat16_t>(const ForwardBatch&, const PagedKVView<bfloat16_t>*, float*,
+                                                  const AttentionHook*);
+#endif
 
 }  // namespace engine
 }  // namespace kvkit

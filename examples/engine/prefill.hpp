@@ -75,36 +75,7 @@ class Prefiller {
   Status run(Model& model, const PagedKVView<T>* pools /* [n_layers] */,
              const std::vector<std::int32_t>& pages, const std::int32_t* tokens /* [n] */,
              std::int32_t n, std::int32_t cache_start, std::int32_t pos_start,
-             float* last_logits /* [vocab] or null */) {
-    const ModelConfig& c = model.config();
-    KVKIT_CHECK(pools != nullptr, "kvkit: prefill needs the layers' pool views");
-    const std::int32_t ps = pools[0].page_size;
-    for (int l = 0; l < c.n_layers; ++l)
-      KVKIT_CHECK(pools[l].page_size == ps && pools[l].num_kv_heads == c.n_kv_heads &&
-                      pools[l].head_dim == c.head_dim() && pools[l].v_head_dim == c.head_dim(),
-                  "kvkit: prefill: layer ", l, " pool view (page size ", pools[l].page_size,
-                  ", kv heads ", pools[l].num_kv_heads, ", head_dim ", pools[l].head_dim,
-                  ") does not match the model (kv heads ", c.n_kv_heads, ", head_dim ",
-                  c.head_dim(), ") and layer 0 (page size ", ps, ")");
-    KVKIT_CHECK(n >= 0 && cache_start >= 0 && pos_start >= 0, "kvkit: prefill of ", n,
-                " tokens at cache index ", cache_start, ", position ", pos_start);
-    KVKIT_CHECK(static_cast<std::int64_t>(pos_start) + n <= c.seq_len, "kvkit: prefill to position ",
-                static_cast<std::int64_t>(pos_start) + n, " exceeds the model's seq_len ", c.seq_len);
-    KVKIT_CHECK(static_cast<std::int64_t>(pages.size()) * ps >= static_cast<std::int64_t>(cache_start) + n,
-                "kvkit: prefill: ", pages.size(), " pages of ", ps, " tokens cannot hold ",
-                static_cast<std::int64_t>(cache_start) + n, " tokens");
-    for (std::int32_t i = 0; i < n; ++i)
-      KVKIT_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "kvkit: prefill token ", tokens[i],
-                  " outside the vocabulary [0, ", c.vocab_size, ")");
-    for (std::int32_t done = 0; done < n;) {
-      const std::int32_t m = std::min(chunk_, n - done);
-      const bool last = done + m == n;
-      KVKIT_RETURN_IF_ERROR(run_chunk(model, pools, pages, tokens + done, m, cache_start + done,
-                                      pos_start + done, last ? last_logits : nullptr));
-      done += m;
-    }
-    return Status::ok();
-  }
+             float* last_logits /* [vocab] or null */);
 
  private:
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -364,6 +335,53 @@ class Prefiller {
   std::vector<unsigned char> ws_;                      // attention workspace
   Scratch16 q16_;                                      // 16-bit q / out of decode_attention
 };
+
+template <class T>
+Status Prefiller::run(Model& model, const PagedKVView<T>* pools /* [n_layers] */,
+                      const std::vector<std::int32_t>& pages, const std::int32_t* tokens /* [n] */,
+                      std::int32_t n, std::int32_t cache_start, std::int32_t pos_start,
+                      float* last_logits /* [vocab] or null */) {
+  const ModelConfig& c = model.config();
+  KVKIT_CHECK(pools != nullptr, "kvkit: prefill needs the layers' pool views");
+  const std::int32_t ps = pools[0].page_size;
+  for (int l = 0; l < c.n_layers; ++l)
+    KVKIT_CHECK(pools[l].page_size == ps && pools[l].num_kv_heads == c.n_kv_heads &&
+                    pools[l].head_dim == c.head_dim() && pools[l].v_head_dim == c.head_dim(),
+                "kvkit: prefill: layer ", l, " pool view (page size ", pools[l].page_size,
+                ", kv heads ", pools[l].num_kv_heads, ", head_dim ", pools[l].head_dim,
+                ") does not match the model (kv heads ", c.n_kv_heads, ", head_dim ",
+                c.head_dim(), ") and layer 0 (page size ", ps, ")");
+  KVKIT_CHECK(n >= 0 && cache_start >= 0 && pos_start >= 0, "kvkit: prefill of ", n,
+              " tokens at cache index ", cache_start, ", position ", pos_start);
+  KVKIT_CHECK(static_cast<std::int64_t>(pos_start) + n <= c.seq_len, "kvkit: prefill to position ",
+              static_cast<std::int64_t>(pos_start) + n, " exceeds the model's seq_len ", c.seq_len);
+  KVKIT_CHECK(static_cast<std::int64_t>(pages.size()) * ps >= static_cast<std::int64_t>(cache_start) + n,
+              "kvkit: prefill: ", pages.size(), " pages of ", ps, " tokens cannot hold ",
+              static_cast<std::int64_t>(cache_start) + n, " tokens");
+  for (std::int32_t i = 0; i < n; ++i)
+    KVKIT_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, "kvkit: prefill token ", tokens[i],
+                " outside the vocabulary [0, ", c.vocab_size, ")");
+  for (std::int32_t done = 0; done < n;) {
+    const std::int32_t m = std::min(chunk_, n - done);
+    const bool last = done + m == n;
+    KVKIT_RETURN_IF_ERROR(run_chunk(model, pools, pages, tokens + done, m, cache_start + done,
+                                    pos_start + done, last ? last_logits : nullptr));
+    done += m;
+  }
+  return Status::ok();
+}
+
+// Built once in the kvkit_example_engine library (engine_instances.cpp) rather than in
+// every file that runs the engine; without KVKIT_ENGINE_PRECOMPILED (copying the headers
+// alone) each user instantiates them.
+#if defined(KVKIT_ENGINE_PRECOMPILED)
+extern template Status Prefiller::run<float>(Model&, const PagedKVView<float>*, const std::vector<std::int32_t>&,
+                                             const std::int32_t*, std::int32_t, std::int32_t, std::int32_t, float*);
+extern template Status Prefiller::run<half_t>(Model&, const PagedKVView<half_t>*, const std::vector<std::int32_t>&,
+                                              const std::int32_t*, std::int32_t, std::int32_t, std::int32_t, float*);
+extern template Status Prefiller::run<bfloat16_t>(Model&, const PagedKVView<bfloat16_t>*, const std::vector<std::int32_t>&,
+                                                  const std::int32_t*, std::int32_t, std::int32_t, std::int32_t, float*);
+#endif
 
 }  // namespace engine
 }  // namespace kvkit
