@@ -16,6 +16,7 @@
 #include "cli_runner.hpp"
 #include "redis_cluster.hpp"
 #include "redis_server.hpp"
+#include "test_scale.hpp"
 
 using Json = nlohmann::json;
 using kvkit::test::CliResult;
@@ -26,8 +27,14 @@ using kvkit_test::node_command;
 
 namespace {
 
+// The token-id workload: the default 272-token prefix and 4 requests; under the sanitizers
+// (an ASan CLI, five runs) 7 prefix pages and 2 requests.
+constexpr std::int32_t kPrefix = kvkit::test::scaled(272, 112);
+constexpr std::int32_t kRequests = kvkit::test::scaled(4, 2);
+
 Json store_demo(const std::string& store, const std::string& extra = "") {
-  return run_json("store-demo --model '" + kStoriesPath + "' --store '" + store + "' --max-tokens 8 --json" + extra);
+  return run_json("store-demo --model '" + kStoriesPath + "' --store '" + store + "' --max-tokens 8 --json" +
+                  " --prefix-tokens " + std::to_string(kPrefix) + " --requests " + std::to_string(kRequests) + extra);
 }
 
 // The numbers every store must reproduce (timings aside).
@@ -61,6 +68,8 @@ TEST_CASE("kvkit store-demo: memory, redis:// and redis-cluster:// give the same
   }
   const Json mem = store_demo("memory");
   CHECK(mem.at("outputs_match") == true);
+  CHECK(mem.at("requests").size() == static_cast<std::size_t>(kRequests));
+  CHECK(mem.at("shared_prefix_tokens").get<int>() >= kPrefix);
   CHECK(mem.at("blocks_saved").get<int>() > 0);
   CHECK(mem.at("hit_tokens").get<int>() >= mem.at("shared_prefix_tokens").get<int>() / 16 * 16);
   CHECK(mem.at("prefill_tokens_avoided") == mem.at("hit_tokens"));
@@ -154,4 +163,30 @@ TEST_CASE("kvkit store-demo: memory, redis:// and redis-cluster:// give the same
     const Json j = Json::parse(r.out);
     CHECK(j.at("code") == 1);
   }
+}
+
+TEST_CASE("kvkit store-demo: --prefix-tokens / --requests size the token-id workload only", "[cli][store_demo]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  const Json small = run_json("store-demo --model '" + kStoriesPath +
+                              "' --store memory --max-tokens 4 --prefix-tokens 40 --requests 3 --json");
+  CHECK(small.at("outputs_match") == true);
+  CHECK(small.at("requests").size() == 3u);
+  CHECK(small.at("shared_prefix_tokens").get<int>() >= 40);
+  CHECK(small.at("workload") == "common prefix + 3 suffixes (token ids)");
+  CHECK(small.at("hit_tokens").get<int>() >= 3 * 32);  // 2 full prefix pages, loaded by every request
+  for (const char* bad : {"--prefix-tokens 0", "--requests 0", "--prefix-tokens 100000"}) {
+    CAPTURE(bad);
+    const CliResult r = run_cli("store-demo --model '" + kStoriesPath + "' --store memory --json " + bad);
+    CHECK(r.code == 2);
+  }
+  if (!std::filesystem::exists(kvkit::test::kSmolPath)) {
+    WARN("skipped the GGUF case: no model file " << kvkit::test::kSmolPath);
+    return;
+  }
+  const CliResult r = run_cli("store-demo --model '" + kvkit::test::kSmolPath + "' --store memory --json --requests 2");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("--requests sizes the token-id workload of llama2.c checkpoints"));
 }

@@ -4,12 +4,14 @@
 //   kvkit store-demo --model M --store memory|redis://HOST:PORT|redis-cluster://HOST:PORT[,...]
 //                    [--max-tokens N] [--page-size P] [--threads T] [--document FILE]
 //                    [--codec raw|zstd] [--kv-dtype float32|float16|bfloat16] [--keep] [--json]
+//                    [--prefix-tokens N] [--requests N]
 //
 // A GGUF model (SmolLM2) answers 4 questions about one shared document (ChatML, text out);
-// a llama2.c model (.bin) runs a 272-token common prefix + 4 suffixes of token ids. Three
-// fresh engines run the workload in turn: without a store (reference outputs), cold (saves
-// blocks), warm (loads them). Prints blocks saved, hit tokens, prefill tokens avoided, load
-// and save time, and whether the warm outputs equal the reference token for token.
+// a llama2.c model (.bin) runs a 272-token common prefix + 4 suffixes of token ids (sizes
+// set by --prefix-tokens and --requests). Three fresh engines run the workload in turn:
+// without a store (reference outputs), cold (saves blocks), warm (loads them). Prints
+// blocks saved, hit tokens, prefill tokens avoided, load and save time, and whether the warm
+// outputs equal the reference token for token.
 // The keys go under a namespace of the model and a per-run salt and are deleted at the end
 // (--keep leaves them). Redis needs the kvkit::redis component (KVKIT_CLI_HAS_REDIS=1), zstd
 // the kvkit::zstd one (KVKIT_HAS_ZSTD=1).
@@ -60,6 +62,8 @@ struct StoreDemoOptions {
   std::int32_t max_tokens = 32;
   std::int32_t page_size = 16;
   std::int32_t threads = 1;
+  std::int32_t prefix_tokens = 0;  // llama2.c checkpoints: common prefix length (0: 272)
+  std::int32_t requests = 0;       // llama2.c checkpoints: requests sharing it (0: 4)
   bool keep = false;
   bool json = false;
 };
@@ -84,6 +88,13 @@ inline void add_store_demo_options(CLI::App& cmd, StoreDemoOptions& o) {
   cmd.add_option("--threads", o.threads, "threads of the KV kernels and prefill (default 1)")
       ->type_name("T")
       ->check(positive(64));
+  cmd.add_option("--prefix-tokens", o.prefix_tokens,
+                 "llama2.c checkpoints: tokens of the common prefix, BOS included (default 272)")
+      ->type_name("N")
+      ->check(positive(1 << 20));
+  cmd.add_option("--requests", o.requests, "llama2.c checkpoints: requests sharing the prefix (default 4)")
+      ->type_name("N")
+      ->check(positive(1024));
   cmd.add_option("--document", o.document, "text models: file holding the shared document (default: a built-in one)")
       ->type_name("FILE");
   cmd.add_option("--codec", o.codec, "stored payloads: raw (default) or zstd")
@@ -178,6 +189,10 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
     detail::Backend be = detail::open_backend(o.store);
     const bool text = detail::is_gguf_file(o.model);
     if (!text && !o.document.empty()) throw detail::StoreDemoUsage("--document needs a GGUF model with a tokenizer");
+    if (text && (o.prefix_tokens > 0 || o.requests > 0))
+      throw detail::StoreDemoUsage(std::string(o.prefix_tokens > 0 ? "--prefix-tokens" : "--requests") +
+                                   " sizes the token-id workload of llama2.c checkpoints; a GGUF model runs its "
+                                   "--document and 4 questions");
     std::shared_ptr<const Checkpoint> ck;
     DemoWorkload w;
     std::shared_ptr<const Tokenizer> tok;
@@ -200,12 +215,12 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
       if (stop < 0) stop = tok->eos_id();
     } else {
       ck = std::make_shared<const Checkpoint>(load_checkpoint(o.model));
-      const std::int32_t prefix = 272;
+      const std::int32_t prefix = o.prefix_tokens > 0 ? o.prefix_tokens : 272;
       if (ck->config().seq_len < prefix + 17 + o.max_tokens)
         throw detail::StoreDemoUsage("the model's seq_len " + std::to_string(ck->config().seq_len) +
-                                     " cannot hold the 272-token prefix, a suffix and --max-tokens " +
-                                     std::to_string(o.max_tokens));
-      w = token_workload(ck->config().vocab_size, prefix, 4);
+                                     " cannot hold the " + std::to_string(prefix) +
+                                     "-token prefix, a suffix and --max-tokens " + std::to_string(o.max_tokens));
+      w = token_workload(ck->config().vocab_size, prefix, o.requests > 0 ? o.requests : 4);
     }
     std::size_t longest = 0;
     for (const DemoRequest& r : w.requests) longest = std::max(longest, r.prompt.size());
@@ -286,7 +301,7 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
       const Json j = {{"command", "store-demo"},
                       {"version", KVKIT_VERSION},
                       {"model", o.model},
-                      {"workload", text ? "document + 4 questions (ChatML)" : "common prefix + 4 suffixes (token ids)"},
+                      {"workload", text ? "document + 4 questions (ChatML)" : "common prefix + " + std::to_string(w.requests.size()) + " suffixes (token ids)"},
                       {"store", o.store},
                       {"namespace", cfg.store.ns},
                       {"codec", o.codec},
