@@ -1,5 +1,6 @@
 // The example engine's heavy templates, instantiated once for the three page types: the
-// model's step (Model::forward) and the batched prefill (Prefiller::run). Every other file
+// model's step (Model::forward), the batched prefill (Prefiller::run) and the decode
+// kernel they and the policies call (paged_decode_attention). Every other file
 // that runs the engine sees them as `extern template` (KVKIT_ENGINE_PRECOMPILED, set by the
 // kvkit_example_engine library) and links this one copy: each of those files used to
 // spend about 25 s of compile time (-O3) instantiating them again.
@@ -21,4 +22,12 @@ KVKIT_ENGINE_INSTANTIATE(bfloat16_t)
 #undef KVKIT_ENGINE_INSTANTIATE
 
 }  // namespace engine
+
+template Status paged_decode_attention<float>(exec::Host, PagedKVView<float>, const float*, float*,
+                                              const DecodeAttentionParams&, Workspace, float*);
+template Status paged_decode_attention<half_t>(exec::Host, PagedKVView<half_t>, const half_t*, half_t*,
+                                               const DecodeAttentionParams&, Workspace, float*);
+template Status paged_decode_attention<bfloat16_t>(exec::Host, PagedKVView<bfloat16_t>, const bfloat16_t*,
+                                                   bfloat16_t*, const DecodeAttentionParams&, Workspace, float*);
+
 }  // namespace kvkit

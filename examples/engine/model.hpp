@@ -435,7 +435,8 @@ Status Model::forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_
 
 // Built once in the kvkit_example_engine library (engine_instances.cpp) rather than in
 // every file that runs the engine; without KVKIT_ENGINE_PRECOMPILED (copying the headers
-// alone) each user instantiates them.
+// alone) each user instantiates them. The decode kernel too: the engine, its policies and
+// their tests all call it, and its three instantiations cost ~10 s of compile time a file.
 #if defined(KVKIT_ENGINE_PRECOMPILED)
 extern template Status Model::forward<float>(const ForwardBatch&, const PagedKVView<float>*, float*,
                                              const AttentionHook*);
@@ -443,6 +444,14 @@ extern template Status Model::forward<half_t>(const ForwardBatch&, const PagedKV
                                               const AttentionHook*);
 extern template Status Model::forward<bfloat16_t>(const ForwardBatch&, const PagedKVView<bfloat16_t>*, float*,
                                                   const AttentionHook*);
+}  // namespace engine
+extern template Status paged_decode_attention<float>(exec::Host, PagedKVView<float>, const float*, float*,
+                                                     const DecodeAttentionParams&, Workspace, float*);
+extern template Status paged_decode_attention<half_t>(exec::Host, PagedKVView<half_t>, const half_t*, half_t*,
+                                                      const DecodeAttentionParams&, Workspace, float*);
+extern template Status paged_decode_attention<bfloat16_t>(exec::Host, PagedKVView<bfloat16_t>, const bfloat16_t*,
+                                                          bfloat16_t*, const DecodeAttentionParams&, Workspace, float*);
+namespace engine {
 #endif
 
 }  // namespace engine
