@@ -82,6 +82,7 @@ bool g_basis_only = false;  // --kvkit_basis_only: only the offline basis tables
 bool g_calib_skip_sink = false;  // --kvkit_calib_skip_sink: the selector does not observe the sink tokens
 bool g_no_vtable = false;  // --kvkit_no_vtable: skip the V-pruning table
 bool g_no_basis = false;   // --kvkit_no_basis: skip the offline basis tables
+std::vector<std::int32_t> g_resid_bits;  // --kvkit_resid_bits=4,8: only the residual table, these widths
 bool g_per_layer = false;  // --kvkit_per_layer: per-layer median KL (ThinK, Centered + comp)
 
 template <class T>
@@ -727,6 +728,118 @@ void fidelity_tables(const std::vector<Trace>& traces, std::int32_t W) {
   }
 }
 
+// ---- offline only: dropped dims kept as a low-precision residual -----------------------
+// Instead of reading the dropped dims as 0, a packed token keeps them as signed b-bit
+// integers with one scale per (token, kv head): x'_d = s round(x_d / s),
+// s = max over the dropped dims of |x_d| / (2^(b-1) - 1). The selected dims stay exact.
+void quantize_dropped(const float* x, const char* mask, std::int32_t D, std::int32_t bits, double* out) {
+  double amax = 0;
+  for (std::int32_t d = 0; d < D; ++d)
+    if (!mask[d]) amax = std::max(amax, std::fabs(static_cast<double>(x[d])));
+  const double qmax = static_cast<double>((1 << (bits - 1)) - 1);
+  const double s = amax > 0 ? static_cast<double>(static_cast<float>(amax / qmax)) : 1.0;
+  for (std::int32_t d = 0; d < D; ++d)
+    out[d] = mask[d] ? static_cast<double>(x[d]) : s * std::clamp(std::nearbyint(x[d] / s), -qmax, qmax);
+}
+
+// KL(dense || packed) with the residual, as attention_kls; and the output error of V
+// packed the same way (K exact), as value_errors.
+std::vector<double> residual_kls(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r, std::int32_t W,
+                                 std::int32_t bits) {
+  std::vector<double> kls, a, b, kq(static_cast<std::size_t>(t.D));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
+  for_each_masked_head(t, sel, r, W, [&](std::int32_t n, std::int32_t old, std::int32_t l, std::int32_t h,
+                                         const float* q, const char* mask) {
+    a.resize(static_cast<std::size_t>(n));
+    b.resize(static_cast<std::size_t>(n));
+    for (std::int32_t j = 0; j < n; ++j) {
+      const float* k = t.krow(l, j, h);
+      quantize_dropped(k, mask, t.D, bits, kq.data());
+      double full = 0, part = 0;
+      for (std::int32_t d = 0; d < t.D; ++d) {
+        full += static_cast<double>(q[d]) * k[d];
+        part += static_cast<double>(q[d]) * kq[static_cast<std::size_t>(d)];
+      }
+      a[static_cast<std::size_t>(j)] = full * scale;
+      b[static_cast<std::size_t>(j)] = (j < old ? part : full) * scale;
+    }
+    kls.push_back(kvkit::kl_from_logits(a.data(), b.data(), n));
+  });
+  return kls;
+}
+
+std::vector<double> residual_value_errors(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r,
+                                          std::int32_t W, std::int32_t bits) {
+  std::vector<double> errs, a, o(static_cast<std::size_t>(t.D)), e(static_cast<std::size_t>(t.D)),
+      vq(static_cast<std::size_t>(t.D));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
+  for_each_masked_head(t, sel, r, W, [&](std::int32_t n, std::int32_t old, std::int32_t l, std::int32_t h,
+                                         const float* q, const char* mask) {
+    a.resize(static_cast<std::size_t>(n));
+    double ma = -1e300;
+    for (std::int32_t j = 0; j < n; ++j) {
+      const float* k = t.krow(l, j, h);
+      double x = 0;
+      for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
+      a[static_cast<std::size_t>(j)] = x * scale;
+      ma = std::max(ma, x * scale);
+    }
+    double z = 0;
+    for (std::int32_t j = 0; j < n; ++j) z += std::exp(a[static_cast<std::size_t>(j)] - ma);
+    std::fill(o.begin(), o.end(), 0.0);
+    std::fill(e.begin(), e.end(), 0.0);
+    for (std::int32_t j = 0; j < n; ++j) {
+      const double pj = std::exp(a[static_cast<std::size_t>(j)] - ma) / z;
+      const float* v = t.vrow(l, j, h);
+      if (j < old) quantize_dropped(v, mask, t.D, bits, vq.data());
+      for (std::int32_t d = 0; d < t.D; ++d) {
+        o[static_cast<std::size_t>(d)] += pj * v[d];
+        if (j < old) e[static_cast<std::size_t>(d)] += pj * (v[d] - vq[static_cast<std::size_t>(d)]);
+      }
+    }
+    double num = 0, den = 0;
+    for (std::int32_t d = 0; d < t.D; ++d) {
+      num += e[static_cast<std::size_t>(d)] * e[static_cast<std::size_t>(d)];
+      den += o[static_cast<std::size_t>(d)] * o[static_cast<std::size_t>(d)];
+    }
+    errs.push_back(den > 0 ? std::sqrt(num / den) : 0.0);
+  });
+  return errs;
+}
+
+// KV bytes saved with K and V both packed to r exact dims plus a b-bit residual and a
+// 2-byte scale per (token, kv head), on pages of `elem` bytes per element, window W,
+// page size 16 (selector metadata not counted: it is under 0.1 % here).
+double residual_bytes_saved(const Trace& t, std::int32_t r, std::int32_t W, std::int32_t bits, std::int32_t elem) {
+  const std::int64_t P = 16, n = t.n, per_tok_full = static_cast<std::int64_t>(t.L) * t.H * 2 * t.D * elem;
+  const std::int64_t full = (n + P - 1) / P * P * per_tok_full;
+  const std::int64_t n_old = n - W >= P ? (n - W) / P * P : 0;
+  const std::int64_t engine = (n - n_old + P - 1) / P * P * per_tok_full;
+  const std::int64_t row = r * elem + ((t.D - r) * bits + 7) / 8 + 2;
+  const std::int64_t packed = n_old * t.L * t.H * 2 * row;
+  return 1.0 - static_cast<double>(engine + packed) / static_cast<double>(full);
+}
+
+void residual_tables(const std::vector<Trace>& traces, std::int32_t W) {
+  std::printf("\n## dropped dims as a b-bit residual (W=%d): K by ThinK, V by EMA |v|, both packed\n\n", W);
+  std::printf("| trace | tokens | bits | pruned | r/D | K median KL | K p90 KL | V median rel. err | saved, 16-bit pages | saved, float pages |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Trace& t : traces) {
+    const Calib ck = calibrate(t, channel::ChannelScore::kThink), cv = calibrate(t, channel::ChannelScore::kEma);
+    for (std::int32_t bits : g_resid_bits)
+      for (double pr : g_prune) {
+        const std::int32_t r = std::max(0, static_cast<std::int32_t>(std::lround(t.D * (1 - pr))));
+        const auto kl = residual_kls(t, ck.top(ck.k, r), r, W, bits);
+        std::vector<double> ve;
+        if (!t.v.empty()) ve = residual_value_errors(t, cv.top(cv.v, r), r, W, bits);
+        std::printf("| %s | %d | %d | %.1f%% | %d/%d | %.3g | %.3g | %.3g | %.1f%% | %.1f%% |\n", t.name.c_str(), t.n, bits,
+                    pr * 100, r, t.D, quantile(kl, 0.5), quantile(kl, 0.9), quantile(ve, 0.5),
+                    100 * residual_bytes_saved(t, r, W, bits, 2), 100 * residual_bytes_saved(t, r, W, bits, 4));
+        std::fflush(stdout);
+      }
+  }
+}
+
 // ---- offline only: a per-(layer, kv head) basis instead of channel selection ----------
 // Keys are stored as r coordinates in a basis computed on the calibration half; the
 // packed score is q·mu + q^T S^-1 V V^T S (k - mu) (mu: the mean of k over the packed
@@ -980,6 +1093,10 @@ int run_fidelity(const std::string& models, std::int32_t W, std::int32_t steps, 
   (void)max_prompts;
 #endif
   g_sink = g_sinks.front();
+  if (!g_resid_bits.empty()) {
+    residual_tables(traces, W);
+    return 0;
+  }
   if (!g_basis_only) fidelity_tables(traces, W);
   if (!g_no_basis) basis_tables(traces, W);
   return 0;
@@ -1009,6 +1126,7 @@ int main(int argc, char** argv) {
     else if (a == "--kvkit_no_vtable") g_no_vtable = true;
     else if (a == "--kvkit_no_basis") g_no_basis = true;
     else if (a == "--kvkit_per_layer") g_per_layer = true;
+    else if (a.rfind("--kvkit_resid_bits=", 0) == 0) g_resid_bits = parse_list<std::int32_t>(a.substr(19));
     else if (a.rfind("--kvkit_models=", 0) == 0) models = a.substr(15);
     else if (a.rfind("--kvkit_window=", 0) == 0) W = std::stoi(a.substr(15));
     else if (a.rfind("--kvkit_steps=", 0) == 0) steps = std::stoi(a.substr(14));

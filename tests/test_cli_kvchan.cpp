@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <tuple>
 
@@ -63,6 +64,7 @@ struct Config {
   bool expect_saving;  // enough old tokens that packing saves more than the metadata costs
   std::string kv_dtype = "float32";  // --kv-dtype: the engine's pages and the policy's pools
   std::int64_t elem_bytes = 4;       // bytes of one element of that type
+  std::int64_t residual_bits = 0;    // --kvchan-residual-bits (0: dropped dims not kept)
 };
 
 std::string command(const Config& c, const std::string& score, bool k_comp) {
@@ -70,6 +72,7 @@ std::string command(const Config& c, const std::string& score, bool k_comp) {
          std::to_string(c.window) + " --rK " + std::to_string(c.rk) + " --rV " + std::to_string(c.rv) +
          " --T-update 4 --N-stable 2 --kvchan-retention 0.75 --kvchan-stable-frac 0.8 --check-every 0" +
          " --kvchan-score " + score + (k_comp ? " --kvchan-k-compensate" : "") + " --kv-dtype " + c.kv_dtype +
+         (c.residual_bits != 0 ? " --kvchan-residual-bits " + std::to_string(c.residual_bits) : "") +
          " --compare-full --json";
 }
 
@@ -88,6 +91,7 @@ void check_run(const nlohmann::json& j, const Config& c, const Run& r, bool k_co
   REQUIRE(i64(j, "kvchan_score") == r.score_code);
   REQUIRE(i64(j, "kvchan_k_compensation") == (k_comp ? 1 : 0));
   REQUIRE(i64(j, "kvchan_v_compensation") == 0);
+  REQUIRE(i64(j, "kvchan_residual_bits") == c.residual_bits);
   REQUIRE(j.at("kv_dtype") == c.kv_dtype);
 
   // Positions: the prompt and every generated token but the last (pending) one.
@@ -108,10 +112,14 @@ void check_run(const nlohmann::json& j, const Config& c, const Run& r, bool k_co
   REQUIRE(kv_len - old < c.window + page);
 
   // Bytes: the engine keeps full-width K and V pages for the window, the policy rK + rV
-  // elements (of the pages' type) per old token and (layer, kv head), plus its metadata.
+  // elements (of the pages' type) per old token and (layer, kv head), plus its metadata;
+  // with a residual, also ceil(dropped dims * bits / 8) code bytes for K and for V and two
+  // float scales.
   const std::int64_t full_page = 2 * m.layers * m.kv_heads * page * m.head_dim * c.elem_bytes;
+  const auto code_bytes = [&](std::int64_t r) { return ((m.head_dim - r) * c.residual_bits + 7) / 8; };
+  const std::int64_t residual_row = c.residual_bits == 0 ? 0 : code_bytes(c.rk) + code_bytes(c.rv) + 8;
   const std::int64_t packed_expected =
-      (old / page) * m.layers * m.kv_heads * page * (c.rk + c.rv) * c.elem_bytes;
+      (old / page) * m.layers * m.kv_heads * page * ((c.rk + c.rv) * c.elem_bytes + residual_row);
   const std::int64_t packed = i64(j, "kvchan_packed_bytes");
   const std::int64_t meta = i64(j, "kvchan_metadata_bytes");
   REQUIRE(packed == packed_expected);
@@ -210,6 +218,65 @@ TEST_CASE("kvkit generate --policy kvchan --kv-dtype float16|bfloat16: 16-bit po
     const Config c{"--model '" + kStoriesPath + "' --steps 160", kStories, 8, 16, 4, 6, true, dtype, 2};
     check_score(c, kScores[0], /*repeat=*/false);
   }
+}
+
+TEST_CASE("kvkit generate --policy kvchan --kvchan-residual-bits 4|8: codes and scales counted, bytes exact",
+          "[cli][kvchan][residual]") {
+  if (!std::filesystem::exists(kStoriesPath)) {
+    WARN("skipped: no model file " << kStoriesPath);
+    return;
+  }
+  for (std::int64_t bits : {4, 8})
+    for (const char* dtype : {"float32", "float16"}) {
+      INFO("bits " << bits << " --kv-dtype " << dtype);
+      Config c{"--model '" + kStoriesPath + "' --steps 160", kStories, 8, 16, 4, 6, true, dtype,
+               std::string(dtype) == "float32" ? 4 : 2};
+      c.residual_bits = bits;
+      // Heads of 8 dims on 16-bit pages: 8 bytes of scales per row eat the saving.
+      c.expect_saving = c.elem_bytes == 4;
+      const std::string cmd = command(c, "ema", false);
+      INFO(cmd);
+      const nlohmann::json j = run_json(cmd);
+      check_run(j, c, kScores[0], false);
+      // The same run without the residual selects the same sets (nothing differs before the
+      // first pack) and keeps fewer bytes, at a larger KL: the residual reads the dropped dims.
+      Config c0 = c;
+      c0.residual_bits = 0;
+      const nlohmann::json j0 = run_json(command(c0, "ema", false));
+      check_run(j0, c0, kScores[0], false);
+      REQUIRE(i64(j0, "old_tokens") == i64(j, "old_tokens"));
+      REQUIRE(i64(j0, "kvchan_packed_bytes") < i64(j, "kvchan_packed_bytes"));
+      REQUIRE(num(j, "mean_kl") < num(j0, "mean_kl"));
+    }
+  CHECK(run_cli("generate " + model_arg() + "--steps 8 --policy kvchan --kvchan-residual-bits 5").code == 2);
+}
+
+TEST_CASE("kvkit generate --policy kvchan --kvchan-residual-bits 8: SmolLM2 float16 pages, >= 20 % of KV bytes "
+          "saved at mean KL <= 1e-3",
+          "[cli][kvchan][residual][smollm2]") {
+  if (skip_smollm2()) return;
+  // The seed's merge-sort prompt, 256 answer tokens, W 32, 16 of 64 dims kept exact for K
+  // and V, the other 48 as 8-bit codes (bench/RESULTS.md, 2026-11-29: 27.6 % saved, mean KL
+  // 6e-6). The limits here leave room for other machines' float summation order.
+  std::ifstream pf(std::string(KVKIT_SOURCE_DIR) + "/examples/prompts/suite.json");
+  const nlohmann::json suite = nlohmann::json::parse(pf);
+  std::string prompt;
+  for (const auto& p : suite.at("prompts"))
+    if (p.at("id") == "code-merge-sort") prompt = p.at("turns").at(0).get<std::string>();
+  REQUIRE(!prompt.empty());
+  const std::string file = (std::filesystem::temp_directory_path() / "kvkit_residual_prompt.txt").string();
+  std::ofstream(file) << prompt;
+  const nlohmann::json j = run_json(
+      "generate --model '" + kSmolPath + "' --chat --prompt-file '" + file +
+      "' --max-tokens 256 --matvec float --kv-dtype float16 --policy kvchan --W 32 --rK 16 --rV 16"
+      " --kvchan-residual-bits 8 --kvchan-score think --kvchan-stable-frac 0.02 --kvchan-retention 0.5 --N-stable 2"
+      " --check-every 0 --compare-full --json");
+  INFO(j.dump());
+  CHECK(i64(j, "packed_heads") == kSmol.layers * kSmol.kv_heads);
+  const double saved = 1.0 - num(j, "kv_bytes_final") / num(j, "full_kv_bytes_final");
+  CHECK(saved >= 0.20);
+  CHECK(num(j, "mean_kl") <= 1e-3);
+  CHECK(num(j, "top1_agreement") >= 0.99);
 }
 
 TEST_CASE("kvkit generate --policy kvchan: SmolLM2, centered score, key compensation off and on",

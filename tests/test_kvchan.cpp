@@ -605,9 +605,14 @@ TEMPLATE_TEST_CASE("engine: with every dim kept the packed run equals the dense 
 
 TEMPLATE_TEST_CASE("engine: a back-off mid-run loses no token", "[kvchan][engine]", float, half_t, bfloat16_t) {
   using T = TestType;
-  for (bool comp : {false, true}) {
+  // Dropped dims read as 0, V dims as their mean, or every dropped dim as its 8- / 4-bit residual.
+  for (int mode : {0, 1, 8, 4}) {
+    const bool comp = mode == 1;
+    const std::int32_t bits = mode >= 4 ? mode : 0;
+    INFO("mode " << mode);
     ChannelParams p = typed_params();
     p.mean_compensation = comp;
+    p.residual_bits = bits;
     Run r = make_run<T>(p);
     const engine::ModelConfig c = r.eng->config();
     const std::int32_t D = c.head_dim();
@@ -632,14 +637,26 @@ TEMPLATE_TEST_CASE("engine: a back-off mid-run loses no token", "[kvchan][engine
             r.pol->read_token(r.id, l, t, h, k.data(), v.data());
             const float* wk = r.rec->k[t].data() + (static_cast<std::size_t>(l) * c.n_kv_heads + h) * D;
             const float* wv = r.rec->v[t].data() + (static_cast<std::size_t>(l) * c.n_kv_heads + h) * D;
+            // Residual: a dropped dim reads back within half a step of its row's scale (unpacked
+            // to 16-bit pages: plus one rounding to the page type, 2^-8 relative at most).
+            auto round_of = [&](float x) { return old_packed_view || sizeof(T) == 4 ? 0.f : std::fabs(x) / 128; };
+            float kstep = 0.f, vstep = 0.f;
+            for (std::int32_t dd = 0; bits != 0 && dd < D; ++dd) {
+              if (!std::binary_search(ks[l].begin() + h * 4, ks[l].begin() + (h + 1) * 4, dd))
+                kstep = std::max(kstep, std::fabs(wk[dd]) / ((1 << (bits - 1)) - 1));
+              if (!std::binary_search(vs[l].begin() + h * 6, vs[l].begin() + (h + 1) * 6, dd))
+                vstep = std::max(vstep, std::fabs(wv[dd]) / ((1 << (bits - 1)) - 1));
+            }
             for (std::int32_t dd = 0; dd < D; ++dd) {
               const bool kk = std::binary_search(ks[l].begin() + h * 4, ks[l].begin() + (h + 1) * 4, dd);
               const bool vk = std::binary_search(vs[l].begin() + h * 6, vs[l].begin() + (h + 1) * 6, dd);
               INFO("t=" << t << " layer " << l << " head " << h << " dim " << dd << " old " << (t < n_old)
                         << " packed view " << old_packed_view);
               if (t >= n_old || kk) REQUIRE(k[dd] == wk[dd]);
+              else if (bits != 0) REQUIRE(std::fabs(k[dd] - wk[dd]) <= kstep * (0.5f + 1e-4f) + round_of(wk[dd]));
               else REQUIRE(k[dd] == 0.f);
               if (t >= n_old || vk) REQUIRE(v[dd] == wv[dd]);
+              else if (bits != 0) REQUIRE(std::fabs(v[dd] - wv[dd]) <= vstep * (0.5f + 1e-4f) + round_of(wv[dd]));
               else if (!comp) REQUIRE(v[dd] == 0.f);
             }
           }
@@ -659,7 +676,7 @@ TEMPLATE_TEST_CASE("engine: a back-off mid-run loses no token", "[kvchan][engine
     for (std::int32_t t = 0; t < n_old; ++t) {
       std::vector<float> v(D);
       r.pol->read_token(r.id, 1, t, 0, k.data(), v.data());
-      // Unpacked rows hold the dropped dims' means rounded to the pages' type.
+      // Unpacked rows hold the dropped dims' means (or residual) rounded to the pages' type.
       for (std::int32_t dd = 0; dd < D; ++dd)
         REQUIRE(v[dd] == to_float(from_float<T>(before[static_cast<std::size_t>(t) * D + dd])));
     }
@@ -1044,6 +1061,9 @@ TEST_CASE("CLI: bad kvchan options exit 2 naming the value", "[kvchan][cli]") {
                {"--policy kvchan --N-stable 0", "N_stable must be >= 1, got 0"},
                {"--policy kvchan --T-update -1", "T_update must be >= 1, got -1"},
                {"--policy kvchan --rV 20", "rV must be in [1, head_dim 8]"},
+               {"--policy kvchan --kvchan-residual-bits 3", "residual bits must be 0, 4 or 8, got 3"},
+               {"--policy kvchan --kvchan-residual-bits 8 --kvchan-compensate",
+                "residual bits 8 exclude mean / key compensation"},
                {"--W 8", "--W needs --policy kvchan"}};
   const std::string err = (std::filesystem::temp_directory_path() / "kvchan_cli_err.txt").string();
   for (const Case& c : cases) {

@@ -12,6 +12,7 @@
 //   --kvchan-score S ema (default), think or centered (E[q_d^2] Var[k_d]; V by Var[v_d])
 //   --kvchan-compensate   dropped V dims read as their mean over the packed tokens
 //   --kvchan-k-compensate dropped K dims read as their mean over the packed tokens (lse bias)
+//   --kvchan-residual-bits B  4 or 8: dropped dims kept as B-bit codes, one scale a row (0: dropped)
 //   --kvchan-max-kl X     fidelity KL threshold in nats (default 0.01)
 //   --kvchan-min-overlap X  top-k overlap a check must reach (default 0.8)
 //   --kvchan-max-margin-drift X  margin drift a check allows, logit units (default 0.5)
@@ -34,7 +35,7 @@ namespace cli {
 
 inline PolicyEntry kvchan_policy_entry() {
   struct Opts {
-    std::int32_t window = 128, r_k = 0, r_v = 0, check_every = 16, t_update = 16, n_stable = 3;
+    std::int32_t window = 128, r_k = 0, r_v = 0, check_every = 16, t_update = 16, n_stable = 3, residual_bits = 0;
     bool no_k = false, compensate = false, k_compensate = false;
     std::string mode = "dynamic", score = "ema", jsonl;
     double max_kl = 1e-2, ema = 0.95, retention = 0.9, stable_frac = 1.0;
@@ -45,7 +46,7 @@ inline PolicyEntry kvchan_policy_entry() {
   e.names = {"kvchan"};
   e.option_names = {"--W",         "--rK",          "--rV",           "--check-every",
                     "--T-update",  "--N-stable",    "--no-k",         "--kvchan-mode",
-                    "--kvchan-score", "--kvchan-compensate", "--kvchan-k-compensate", "--kvchan-max-kl",
+                    "--kvchan-score", "--kvchan-compensate", "--kvchan-k-compensate", "--kvchan-residual-bits", "--kvchan-max-kl",
                     "--kvchan-min-overlap", "--kvchan-max-margin-drift", "--kvchan-top-k", "--kvchan-ema",
                     "--kvchan-retention", "--kvchan-stable-frac", "--jsonl"};
   e.add_options = [o](CLI::App& g) {
@@ -69,6 +70,9 @@ inline PolicyEntry kvchan_policy_entry() {
     g.add_flag("--kvchan-compensate", o->compensate, "kvchan: dropped V dims read as their mean (compensation)");
     g.add_flag("--kvchan-k-compensate", o->k_compensate,
                "kvchan: dropped K dims read as their mean over the packed tokens (a log-sum-exp bias)");
+    g.add_option("--kvchan-residual-bits", o->residual_bits,
+                 "kvchan: keep the dropped dims as 4- or 8-bit codes with one scale per row (default 0: dropped)")
+        ->type_name("B");
     g.add_option("--kvchan-max-kl", o->max_kl, "kvchan: fidelity check KL threshold in nats (default 0.01)")
         ->type_name("X");
     g.add_option("--kvchan-min-overlap", o->guard.min_overlap,
@@ -102,6 +106,7 @@ inline PolicyEntry kvchan_policy_entry() {
     p.compress_k = !o->no_k;
     p.mean_compensation = o->compensate;
     p.k_compensation = o->k_compensate;
+    p.residual_bits = o->residual_bits;
     p.mode = o->mode == "full" ? channel::ChannelMode::kFull
              : o->mode == "probe" ? channel::ChannelMode::kProbe
                                   : channel::ChannelMode::kDynamic;

@@ -22,6 +22,9 @@
 // policy keeps, per sequence, the float64 running sum of every K dim over its packed tokens
 // (the pack step sees full-width K) and the mean of each dropped dim; channel_attention adds
 // sm_scale * q·mean to the old part's lse, i.e. the dropped K dims read as their mean.
+// With residual_bits (4 or 8) the packed pool also keeps every dropped dim as a b-bit code
+// with one scale per (token, head) (channel/residual.hpp), counted in its page bytes, and
+// the old part is read by residual_channel_attention instead.
 //
 // Control (step hook, after each step): observe the new tokens' K/V (and decode queries
 // for ThinK; tokens prefilled without a step are caught up from the views), tick the
@@ -32,7 +35,7 @@
 // the window with the recomputation's K/V (restore_on_backoff, default; without it the
 // old tokens keep their selected dims, dropped K dims 0 (their mean with k_compensation),
 // dropped V dims 0 or their mean
-// with compensation), reset the stability counters and probe again; when stable again the old tokens are re-packed
+// with compensation, or their residual), reset the stability counters and probe again; when stable again the old tokens are re-packed
 // with the new sets. Then pack whatever left the window.
 //
 // Page types: float32, float16 and bfloat16 pages (EngineOptions::kv_dtype). The policy's
@@ -109,7 +112,7 @@ class KvchanPolicy : public EnginePolicy {
       using T = decltype(tag);
       Pools<T>& p = pools<T>();
       p.packed = std::make_unique<channel::PackedPagePool<T>>(c.n_layers, c.n_kv_heads, sel_->r_k(), sel_->r_v(),
-                                                              eng.options().page_size);
+                                                              eng.options().page_size, opt_.params.residual_bits, D, D);
       p.full = std::make_unique<channel::PackedPagePool<T>>(c.n_layers, c.n_kv_heads, D, D, eng.options().page_size);
     });
     if (!opt_.jsonl_path.empty()) {
@@ -159,6 +162,7 @@ class KvchanPolicy : public EnginePolicy {
     s.emplace_back("kvchan_score", static_cast<double>(static_cast<int>(p.score)));
     s.emplace_back("kvchan_v_compensation", p.mean_compensation ? 1 : 0);
     s.emplace_back("kvchan_k_compensation", p.k_compensation ? 1 : 0);
+    s.emplace_back("kvchan_residual_bits", p.residual_bits);
     return s;
   }
 
@@ -285,6 +289,20 @@ class KvchanPolicy : public EnginePolicy {
                              k, 0);
     channel::unpack_channels(vbuf_.data(), 0, sel_->packed_v(layer) + head * rv, rv, D, 1, v_fill_of(*st, layer, head),
                              v, 0);
+    if (opt_.params.residual_bits == 0) return;
+    // The dropped dims as the residual attention reads them: scale * code.
+    const channel::ResidualView res = p.packed->residual(layer);
+    const std::int64_t row = res.row(page, slot, head);
+    std::int32_t drop[channel::kMaxResidualDim];
+    for (int which = 0; which < 2; ++which) {
+      const std::int32_t r = which == 0 ? rk : rv;
+      channel::detail::dropped_channels((which == 0 ? sel_->packed_k(layer) : sel_->packed_v(layer)) + head * r, r, D,
+                                        drop);
+      const std::uint8_t* codes = which == 0 ? res.k_codes + row * res.k_bytes : res.v_codes + row * res.v_bytes;
+      float* x = which == 0 ? k : v;
+      for (std::int32_t j = 0; j < D - r; ++j)
+        x[drop[j]] = res.scales[2 * row + which] * static_cast<float>(channel::detail::residual_code(codes, j, res.bits));
+    }
   }
 
   struct SeqState {
@@ -383,6 +401,9 @@ class KvchanPolicy : public EnginePolicy {
       if (sel_->compresses_v()) pk.v_channels = sel_->packed_v(call.layer);
       if (sel_->compresses_k() || sel_->compresses_v()) pk.q_dim = D;
     }
+    if (packed && opt_.params.residual_bits != 0)
+      return channel::channel_attention(call.exec, view, old, pool.residual(call.layer), call.q, call.out, call.params,
+                                        pk, call.workspace);
     const float* fill = opt_.params.mean_compensation && packed ? fill_.data() : nullptr;
     const float* kfill = opt_.params.k_compensation && packed && sel_->compresses_k() ? kfill_.data() : nullptr;
     return channel::channel_attention(call.exec, view, old, call.q, call.out, call.params, pk, fill, kfill,
@@ -649,9 +670,13 @@ class KvchanPolicy : public EnginePolicy {
               for (std::int32_t d = 0; d < D; ++d) st.k_sum[vidx(l, h) + d] += to_float(kr[d]);
             }
           }
-      const Status s = channel::pack_channel_pages(eng_->model().exec(), full, pool_view(packed, l),
-                                                   sel_->packed_k(l), sel_->packed_v(l), src.data(), dst.data(),
-                                                   static_cast<std::int32_t>(src.size()), n);
+      Status s = channel::pack_channel_pages(eng_->model().exec(), full, pool_view(packed, l), sel_->packed_k(l),
+                                             sel_->packed_v(l), src.data(), dst.data(),
+                                             static_cast<std::int32_t>(src.size()), n);
+      if (s.is_ok() && opt_.params.residual_bits != 0)
+        s = channel::pack_residual_pages(eng_->model().exec(), full, packed.residual(l), sel_->packed_k(l),
+                                         sel_->packed_v(l), sel_->r_k(), sel_->r_v(), src.data(), dst.data(),
+                                         static_cast<std::int32_t>(src.size()), n);
       if (!s.is_ok()) fail("kvchan: packing pages failed: ", s.to_string());
     }
   }
@@ -686,10 +711,15 @@ class KvchanPolicy : public EnginePolicy {
     std::vector<std::int32_t> dst(st.pages.size());
     for (std::int32_t& p : dst) p = pl.full->allocate();
     for (std::int32_t l = 0; l < sel_->n_layers(); ++l) {
-      const Status s = channel::unpack_channel_pages(eng_->model().exec(), pool_view(*pl.packed, l), pool_view(*pl.full, l),
-                                                     sel_->packed_k(l), sel_->packed_v(l), k_fill_of(st, l, 0),
-                                                     v_fill_of(st, l, 0), st.pages.data(), dst.data(),
-                                                     static_cast<std::int32_t>(dst.size()), st.n_old);
+      Status s = channel::unpack_channel_pages(eng_->model().exec(), pool_view(*pl.packed, l), pool_view(*pl.full, l),
+                                               sel_->packed_k(l), sel_->packed_v(l), k_fill_of(st, l, 0),
+                                               v_fill_of(st, l, 0), st.pages.data(), dst.data(),
+                                               static_cast<std::int32_t>(dst.size()), st.n_old);
+      if (s.is_ok() && opt_.params.residual_bits != 0)  // dropped dims as their residual reads them
+        s = channel::unpack_residual_pages(eng_->model().exec(), pl.packed->residual(l), pool_view(*pl.full, l),
+                                           sel_->packed_k(l), sel_->packed_v(l), sel_->r_k(), sel_->r_v(),
+                                           st.pages.data(), dst.data(), static_cast<std::int32_t>(dst.size()),
+                                           st.n_old);
       if (!s.is_ok()) fail("kvchan: unpacking pages failed: ", s.to_string());
     }
     for (std::int32_t p : st.pages) pl.packed->release(p);

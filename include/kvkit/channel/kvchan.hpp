@@ -36,6 +36,9 @@
 //      tokens of the (layer, kv head); the second term is the same for every packed token,
 //      so it is added to the packed part's log-sum-exp (sm_scale times it, natural log)
 //      before the merge with the window, and the kernel stays channel-restricted.
+//      Residual (residual_bits 4 or 8, residual.hpp): the dropped dims are kept too, as
+//      b-bit integers with one float scale per (token, head) row, so a packed row reads
+//      back as its selected dims exactly and the rest to within half a scale step.
 //   4. Fidelity guard: the engine's next-token logits vs a full-width baseline: top-k
 //      overlap, margin drift (|(l1 - l2)_policy - (l1 - l2)_baseline| of the baseline's top
 //      two tokens), KL(baseline || policy) in nats. A failure backs off: everything is
@@ -98,6 +101,7 @@ struct ChannelParams {
   bool compress_k = true;           // false: keys stay full width (--no-k)
   bool mean_compensation = false;   // dropped V dims read as their mean over packed tokens
   bool k_compensation = false;      // dropped K dims read as their mean (an LSE bias per query)
+  std::int32_t residual_bits = 0;   // 4 or 8: dropped dims kept as b-bit codes (residual.hpp); 0: dropped
   std::int32_t check_every = 16;    // tokens between fidelity checks while packed (0: never)
   FidelityThresholds thresholds;
   ChannelMode mode = ChannelMode::kDynamic;
@@ -117,6 +121,11 @@ struct ChannelParams {
     // Keys kept full width drop no dims, so a key compensation there would silently do nothing.
     KVKIT_CHECK(compress_k || !k_compensation,
                 "kvchan: k_compensation needs compress_k (keys full width have no dropped dims)");
+    KVKIT_CHECK(residual_bits == 0 || residual_bits == 4 || residual_bits == 8,
+                "kvchan: residual bits must be 0, 4 or 8, got ", residual_bits);
+    // The residual already reads the dropped dims back; a mean on top would count them twice.
+    KVKIT_CHECK(residual_bits == 0 || (!mean_compensation && !k_compensation),
+                "kvchan: residual bits ", residual_bits, " exclude mean / key compensation");
     KVKIT_CHECK(window >= 1, "kvchan: W must be >= 1, got ", window);
     KVKIT_CHECK(t_update >= 1, "kvchan: T_update must be >= 1, got ", t_update);
     KVKIT_CHECK(n_stable >= 1, "kvchan: N_stable must be >= 1, got ", n_stable);

@@ -12,7 +12,9 @@
 // channel_attention: decode attention over an old part (packed pages read with the
 // channel-restricted variant of paged_decode_attention: q·k on the rK selected dims, V
 // written to the rV selected dims of the output, zero elsewhere) and a full-width window
-// part (dense), merged in log-sum-exp form (merge_attention_states). Mean compensation
+// part (dense), merged in log-sum-exp form (merge_attention_states); with a residual
+// (residual.hpp) the old part reads its dropped dims from their b-bit codes instead of 0.
+// Mean compensation
 // adds, to the old part's normalised output, a per-(sequence, kv head) vector `v_fill`
 // (the mean over packed tokens of each dropped V dim): since the old part's attention
 // weights sum to 1, this equals attention over V rows whose dropped dims hold that mean.
@@ -28,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "kvkit/channel/residual.hpp"
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
@@ -43,14 +46,29 @@ namespace channel {
 template <class T>
 class PackedPagePool {
  public:
+  /// residual_bits 4 or 8 adds, per (page, slot, head), the residual of the dims a row
+  /// drops out of full_k_dim / full_v_dim (residual.hpp); 0: none.
   PackedPagePool(std::int32_t n_layers, std::int32_t n_kv_heads, std::int32_t k_dim, std::int32_t v_dim,
-                 std::int32_t page_size)
-      : layers_(n_layers), heads_(n_kv_heads), kdim_(k_dim), vdim_(v_dim), page_size_(page_size) {
+                 std::int32_t page_size, std::int32_t residual_bits = 0, std::int32_t full_k_dim = 0,
+                 std::int32_t full_v_dim = 0)
+      : layers_(n_layers), heads_(n_kv_heads), kdim_(k_dim), vdim_(v_dim), page_size_(page_size),
+        rbits_(residual_bits) {
     KVKIT_CHECK(n_layers >= 1 && n_kv_heads >= 1 && k_dim >= 1 && v_dim >= 1 && page_size >= 1,
                 "kvchan: packed pool geometry must be positive, got layers=", n_layers,
                 " heads=", n_kv_heads, " k_dim=", k_dim, " v_dim=", v_dim, " page_size=", page_size);
+    KVKIT_CHECK(residual_bits == 0 || residual_bits == 4 || residual_bits == 8,
+                "kvchan: residual bits must be 0, 4 or 8, got ", residual_bits);
+    if (rbits_ != 0) {
+      KVKIT_CHECK(full_k_dim >= k_dim && full_v_dim >= v_dim, "kvchan: residual full dims (", full_k_dim, ", ",
+                  full_v_dim, ") below the packed dims (", k_dim, ", ", v_dim, ")");
+      kbytes_ = residual_code_bytes(full_k_dim - k_dim, rbits_);
+      vbytes_ = residual_code_bytes(full_v_dim - v_dim, rbits_);
+    }
     k_.resize(static_cast<std::size_t>(layers_));
     v_.resize(static_cast<std::size_t>(layers_));
+    kr_.resize(static_cast<std::size_t>(layers_));
+    vr_.resize(static_cast<std::size_t>(layers_));
+    sc_.resize(static_cast<std::size_t>(layers_));
   }
 
   /// A free page id (the pool doubles its capacity, at least 16 pages, when none is free).
@@ -76,10 +94,22 @@ class PackedPagePool {
   std::int32_t k_dim() const { return kdim_; }
   std::int32_t v_dim() const { return vdim_; }
   std::int32_t page_size() const { return page_size_; }
-  /// K + V bytes of one page id over all layers.
+  /// K + V bytes of one page id over all layers (residual codes and scales included).
   std::int64_t page_bytes() const {
-    return static_cast<std::int64_t>(page_size_) * heads_ * (kdim_ + vdim_) * static_cast<std::int64_t>(sizeof(T)) *
-           layers_;
+    return static_cast<std::int64_t>(page_size_) * heads_ * layers_ *
+           ((kdim_ + vdim_) * static_cast<std::int64_t>(sizeof(T)) + residual_row_bytes());
+  }
+  /// Residual bytes of one (token, head): K and V codes plus two float scales (0: none).
+  std::int64_t residual_row_bytes() const {
+    return rbits_ == 0 ? 0 : kbytes_ + vbytes_ + 2 * static_cast<std::int64_t>(sizeof(float));
+  }
+  std::int32_t residual_bits() const { return rbits_; }
+  /// The residual arrays of one layer (residual_bits() must be non-zero).
+  ResidualView residual(std::int32_t layer) {
+    KVKIT_CHECK(rbits_ != 0, "kvchan: this pool keeps no residual");
+    const std::size_t l = static_cast<std::size_t>(layer);
+    return {kr_.at(l).data(), vr_.at(l).data(), sc_.at(l).data(), rbits_, kbytes_, vbytes_,
+            page_size_, heads_, std::max(1, capacity_)};
   }
   std::int64_t bytes_in_use() const { return page_bytes() * in_use_; }
   std::int64_t peak_bytes() const { return page_bytes() * peak_; }
@@ -103,16 +133,24 @@ class PackedPagePool {
   void grow(std::int32_t cap) {
     const std::size_t kp = static_cast<std::size_t>(page_size_) * heads_ * kdim_;
     const std::size_t vp = static_cast<std::size_t>(page_size_) * heads_ * vdim_;
+    const std::size_t rows = static_cast<std::size_t>(page_size_) * heads_ * static_cast<std::size_t>(cap);
     for (std::size_t l = 0; l < k_.size(); ++l) {
       k_[l].resize(kp * static_cast<std::size_t>(cap), from_float<T>(0.f));
       v_[l].resize(vp * static_cast<std::size_t>(cap), from_float<T>(0.f));
+      if (rbits_ == 0) continue;
+      kr_[l].resize(rows * static_cast<std::size_t>(kbytes_) + 1, 0);  // +1: a valid pointer when 0 bytes
+      vr_[l].resize(rows * static_cast<std::size_t>(vbytes_) + 1, 0);
+      sc_[l].resize(rows * 2, 0.f);
     }
     for (std::int32_t p = cap - 1; p >= capacity_; --p) free_.push_back(p);  // lowest id first out
     capacity_ = cap;
   }
 
   std::int32_t layers_, heads_, kdim_, vdim_, page_size_;
+  std::int32_t rbits_ = 0, kbytes_ = 0, vbytes_ = 0;  // residual bits, code bytes per K / V row
   std::vector<std::vector<T>> k_, v_;  // [n_layers][capacity * page elements]
+  std::vector<std::vector<std::uint8_t>> kr_, vr_;  // [n_layers][capacity * page_size * Hkv * k/v bytes]
+  std::vector<std::vector<float>> sc_;              // [n_layers][capacity * page_size * Hkv * 2]
   std::vector<std::int32_t> free_;
   std::int32_t capacity_ = 0, in_use_ = 0, peak_ = 0;
 };
@@ -151,19 +189,17 @@ std::size_t channel_attention_workspace_size(exec::Host ex, const PagedKVView<T>
   return sz.bytes();
 }
 
-/// Attention of one layer over an old part (`old`, read with `packed` params: channel
-/// sets or none) and a window part (`window`, dense), merged by LSE into `out`. Both views
-/// have the same batch rows. `v_fill` (nullptr: none) is added to the old part's output
-/// of every sequence with old tokens (mean compensation). Never allocates; returns the
-/// kernels' Status.
-template <class T>
-Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const PagedKVView<T>& old,
-                         const T* q,                // [batch, Hq, q_dim]
-                         T* out,                    // [batch, Hq, q_dim]
-                         const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
-                         const float* v_fill,       // [batch, Hkv, q_dim] or nullptr
-                         const float* k_fill,       // [batch, Hkv, q_dim] or nullptr
-                         Workspace ws) {
+namespace detail {
+
+// The shared frame of the channel_attention overloads: carves the workspace, runs
+// old_part(out_o, lse_o, kernel workspace) for the old part, the dense kernel for the
+// window, and merges the two by LSE into `out`.
+template <class T, class OldPart>
+Status channel_attention_frame(exec::Host ex, const PagedKVView<T>& window, const PagedKVView<T>& old,
+                               const T* q,  // [batch, Hq, q_dim]
+                               T* out,      // [batch, Hq, q_dim]
+                               const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
+                               Workspace ws, OldPart&& old_part) {
   KVKIT_CHECK_STATUS(window.batch_size == old.batch_size, StatusCode::kInvalidArgument,
                      "channel_attention: window batch ", window.batch_size, " != old batch ",
                      old.batch_size);
@@ -184,8 +220,33 @@ Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const Page
   unsigned char* kws = c.take<unsigned char>(kern);
   if (out_o == nullptr || kws == nullptr)
     return make_status(StatusCode::kInvalidArgument, "channel_attention: workspace too small");
-  KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, old, q, out_o, packed, Workspace{kws, kern}, lse_o));
-  if (k_fill != nullptr || v_fill != nullptr) {
+  KVKIT_RETURN_IF_ERROR(old_part(out_o, lse_o, Workspace{kws, kern}));
+  KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, window, q, out_w, dense, Workspace{kws, kern}, lse_w));
+  return merge_attention_states(ex, out_o, lse_o, out_w, lse_w, out, static_cast<float*>(nullptr),
+                                static_cast<std::int64_t>(rows), D);
+}
+
+}  // namespace detail
+
+/// Attention of one layer over an old part (`old`, read with `packed` params: channel
+/// sets or none) and a window part (`window`, dense), merged by LSE into `out`. Both views
+/// have the same batch rows. `v_fill` (nullptr: none) is added to the old part's output
+/// of every sequence with old tokens (mean compensation). Never allocates; returns the
+/// kernels' Status.
+template <class T>
+Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const PagedKVView<T>& old,
+                         const T* q,                // [batch, Hq, q_dim]
+                         T* out,                    // [batch, Hq, q_dim]
+                         const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
+                         const float* v_fill,       // [batch, Hkv, q_dim] or nullptr
+                         const float* k_fill,       // [batch, Hkv, q_dim] or nullptr
+                         Workspace ws) {
+  const std::int32_t Hq = dense.num_qo_heads, D = window.v_head_dim;
+  const std::size_t rows = static_cast<std::size_t>(window.batch_size) * static_cast<std::size_t>(std::max(0, Hq));
+  return detail::channel_attention_frame(ex, window, old, q, out, dense, packed, ws,
+                                         [&](T* out_o, float* lse_o, Workspace kws) -> Status {
+    KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, old, q, out_o, packed, kws, lse_o));
+    if (k_fill == nullptr && v_fill == nullptr) return Status::ok();
     const std::size_t Hkv = static_cast<std::size_t>(old.num_kv_heads);
     const std::size_t G = static_cast<std::size_t>(Hq) / Hkv;
     for (std::size_t r = 0; r < rows; ++r) {
@@ -206,10 +267,24 @@ Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const Page
         for (std::int32_t d = 0; d < D; ++d) o[d] = from_float<T>(to_float(o[d]) + f[d]);
       }
     }
-  }
-  KVKIT_RETURN_IF_ERROR(paged_decode_attention(ex, window, q, out_w, dense, Workspace{kws, kern}, lse_w));
-  return merge_attention_states(ex, out_o, lse_o, out_w, lse_w, out, static_cast<float*>(nullptr),
-                                static_cast<std::int64_t>(rows), D);
+    return Status::ok();
+  });
+}
+
+/// channel_attention with the old part's dropped dims read from their residual `res`
+/// (residual.hpp: residual_channel_attention over `old` with `packed`'s channel sets);
+/// no compensation (the residual replaces it). Same workspace, same merge.
+template <class T>
+Status channel_attention(exec::Host ex, const PagedKVView<T>& window, const PagedKVView<T>& old,
+                         ResidualView res,
+                         const T* q,  // [batch, Hq, q_dim]
+                         T* out,      // [batch, Hq, q_dim]
+                         const DecodeAttentionParams& dense, const DecodeAttentionParams& packed,
+                         Workspace ws) {
+  return detail::channel_attention_frame(ex, window, old, q, out, dense, packed, ws,
+                                         [&](T* out_o, float* lse_o, Workspace) -> Status {
+    return residual_channel_attention(ex, old, res, q, out_o, lse_o, packed);
+  });
 }
 
 /// channel_attention without key compensation.

@@ -1,0 +1,338 @@
+#pragma once
+// kvchan's low-precision residual: the dims a packed row drops, kept as b-bit codes.
+//
+// The seed drops the unselected dims of a packed row (reads them as 0). On SmolLM2 that
+// costs a median attention KL of 5e-3 at a quarter of the key dims dropped, so channel
+// dropping alone saves little at KL <= 1e-3 (bench/RESULTS.md). With the residual, a row
+// keeps its selected dims exact and the dropped ones as integers with one scale per row:
+// the selected (high-importance, outlier) dims set most of a row's dynamic range, so once
+// they are exact the scale of the rest is small and 8 or 4 bits describe it well.
+//
+// Math, for one (token, kv head) row x of K (or V) and its ascending channel set S of r
+// dims out of D; R = [0, D) \ S ascending, n = D - r dropped dims, qmax = 2^(b-1) - 1:
+//   s   = (max_{d in R} |x_d|) / qmax                        (float; s = 0 when all are 0)
+//   c_j = clamp(round_half_even(x_{R_j} / s), -qmax, qmax)   (c_j = 0 when s = 0)
+//   the row reads back as x_d on S and s * c_j on d = R_j, so |x_d - s c_j| <= s / 2
+//   (up to the float rounding of x / s and s * c_j).
+// Storage per row: ceil(n b / 8) code bytes (8 bits: one int8 per code; 4 bits: code j in
+// the low nibble of byte j / 2 when j is even, the high nibble when odd, two's complement)
+// and the float s; one K and one V residual per (page, slot, kv head), next to the packed
+// rows in the same page id of a PackedPagePool (packed_store.hpp).
+//
+// residual_channel_attention: decode attention over packed pages plus their residual,
+//   score_t = sm_scale * (sum_{c < r} q[S_c] k_t[c] + s_t sum_j q[R_j] c_tj)
+//   out     = sum_t p_t v'_t, v'_t the V row read back as above (selected dims exact),
+// with the lse of the scaled scores (natural log; -inf when nothing is read), so
+// channel_attention merges it with the full-width window like the plain packed part.
+// Exactly the dense attention of the rows as they read back (tested against float64).
+//
+// Errors: bits outside {4, 8}, geometry that does not match, page or channel ids out of
+// range give a Status and nothing is written. Never allocates (stack arrays of at most
+// kMaxResidualDim floats per query head; larger head dims are kUnsupported).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kvkit/channel/pack_pages.hpp"
+#include "kvkit/core/dtype.hpp"
+#include "kvkit/core/error.hpp"
+#include "kvkit/core/exec.hpp"
+#include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/kernels/cpu/parallel.hpp"
+#include "kvkit/kernels/params.hpp"
+
+namespace kvkit {
+namespace channel {
+
+/// Largest head dim and query group the residual kernels take (their stack arrays).
+inline constexpr std::int32_t kMaxResidualDim = 256;
+inline constexpr std::int32_t kMaxResidualGroup = 16;
+
+/// Code bytes of n dropped dims at `bits` bits (0 when n == 0).
+KVKIT_HOST_DEVICE std::int32_t residual_code_bytes(std::int32_t n, std::int32_t bits) {
+  return (n * bits + 7) / 8;
+}
+
+/// The residual arrays of one layer of a pool (views own nothing; pass by value). Row
+/// (page, slot, head) has k_bytes K code bytes, v_bytes V code bytes and two scales.
+struct ResidualView {
+  std::uint8_t* k_codes = nullptr;  // [num_pages_total, page_size, Hkv, k_bytes]
+  std::uint8_t* v_codes = nullptr;  // [num_pages_total, page_size, Hkv, v_bytes]
+  float* scales = nullptr;          // [num_pages_total, page_size, Hkv, 2] (K scale, V scale)
+  std::int32_t bits = 0;            // 4 or 8
+  std::int32_t k_bytes = 0;         // code bytes per K row: residual_code_bytes(D - rK, bits)
+  std::int32_t v_bytes = 0;         // code bytes per V row: residual_code_bytes(Dv - rV, bits)
+  std::int32_t page_size = 0;
+  std::int32_t num_kv_heads = 0;
+  std::int32_t num_pages_total = 0;
+
+  KVKIT_HOST_DEVICE std::int64_t row(std::int32_t page, std::int32_t slot, std::int32_t head) const {
+    return (static_cast<std::int64_t>(page) * page_size + slot) * num_kv_heads + head;
+  }
+};
+
+namespace detail {
+
+KVKIT_HOST_DEVICE std::int32_t residual_qmax(std::int32_t bits) { return (1 << (bits - 1)) - 1; }
+
+/// Code j of a row (sign-extended).
+KVKIT_HOST_DEVICE std::int32_t residual_code(const std::uint8_t* codes, std::int32_t j, std::int32_t bits) {
+  if (bits == 8) return static_cast<std::int8_t>(codes[j]);
+  const std::int32_t nib = (codes[j >> 1] >> ((j & 1) * 4)) & 0xF;
+  return nib >= 8 ? nib - 16 : nib;
+}
+
+/// The dims of [0, dim) not in the ascending set ch[0, r), ascending, into out[dim - r].
+inline void dropped_channels(const std::int32_t* ch, std::int32_t r, std::int32_t dim, std::int32_t* out) {
+  std::int32_t c = 0, n = 0;
+  for (std::int32_t d = 0; d < dim; ++d) {
+    if (c < r && ch[c] == d) {
+      ++c;
+      continue;
+    }
+    out[n++] = d;
+  }
+}
+
+/// Quantizes x[drop[j]] (j < n) into codes[residual_code_bytes(n, bits)] and *scale.
+template <class T>
+void quantize_residual_row(const T* x, const std::int32_t* drop, std::int32_t n, std::int32_t bits,
+                           std::uint8_t* codes, float* scale) {
+  float amax = 0.f;
+  for (std::int32_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(to_float(x[drop[j]])));
+  const std::int32_t qmax = residual_qmax(bits);
+  const float s = amax / static_cast<float>(qmax);
+  *scale = s;
+  std::fill(codes, codes + residual_code_bytes(n, bits), std::uint8_t{0});
+  if (s == 0.f) return;
+  for (std::int32_t j = 0; j < n; ++j) {
+    const float c = std::nearbyint(to_float(x[drop[j]]) / s);  // round half to even (default mode)
+    const std::int32_t q = static_cast<std::int32_t>(std::min<float>(std::max<float>(c, -qmax), qmax));
+    if (bits == 8)
+      codes[j] = static_cast<std::uint8_t>(static_cast<std::int8_t>(q));
+    else
+      codes[j >> 1] = static_cast<std::uint8_t>(codes[j >> 1] | ((q & 0xF) << ((j & 1) * 4)));
+  }
+}
+
+/// Checks shared by packing, unpacking and attention: bits, residual geometry against
+/// the packed pool and the code widths against the channel counts.
+inline Status check_residual(const ResidualView& res, std::int32_t heads, std::int32_t page_size,
+                             std::int32_t pages_total, std::int32_t n_drop_k, std::int32_t n_drop_v,
+                             const char* op) {
+  KVKIT_CHECK_STATUS(res.bits == 4 || res.bits == 8, StatusCode::kInvalidArgument, op,
+                     ": residual bits must be 4 or 8, got ", res.bits);
+  KVKIT_CHECK_STATUS(res.num_kv_heads == heads && res.page_size == page_size &&
+                         res.num_pages_total >= pages_total,
+                     StatusCode::kInvalidArgument, op, ": residual geometry (heads ", res.num_kv_heads,
+                     ", page_size ", res.page_size, ", pages ", res.num_pages_total,
+                     ") does not match the packed pool (", heads, ", ", page_size, ", ", pages_total, ")");
+  KVKIT_CHECK_STATUS(res.k_bytes == residual_code_bytes(n_drop_k, res.bits) &&
+                         res.v_bytes == residual_code_bytes(n_drop_v, res.bits),
+                     StatusCode::kInvalidArgument, op, ": residual code bytes (", res.k_bytes, ", ", res.v_bytes,
+                     ") do not fit ", n_drop_k, " and ", n_drop_v, " dropped dims at ", res.bits, " bits");
+  KVKIT_CHECK_STATUS(res.scales != nullptr && (res.k_bytes == 0 || res.k_codes != nullptr) &&
+                         (res.v_bytes == 0 || res.v_codes != nullptr),
+                     StatusCode::kInvalidArgument, op, ": residual arrays are null");
+  return Status::ok();
+}
+
+}  // namespace detail
+
+/// Writes the residual of n_tokens tokens of full-width pages src_pages[i] of `full` into
+/// rows of page dst_pages[i] of `res` (the pages pack_channel_pages fills with the same
+/// pairs and sets; see the file comment). rk / rv are the packed widths (rk == full dim:
+/// no K residual). Returns kInvalidArgument (nothing written) on bad arguments.
+template <class T>
+Status pack_residual_pages(exec::Host ex, PagedKVView<T> full, ResidualView res,
+                           const std::int32_t* k_channels,  // [Hkv, rk] ascending
+                           const std::int32_t* v_channels,  // [Hkv, rv] ascending
+                           std::int32_t rk, std::int32_t rv,
+                           const std::int32_t* src_pages,   // [n_pages] pages of `full`
+                           const std::int32_t* dst_pages,   // [n_pages] residual pages, distinct
+                           std::int32_t n_pages, std::int32_t n_tokens) {
+  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
+  const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
+  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported,
+                     "pack_residual_pages: unsupported head_dim ", std::max(D, Dv), " (at most ", kMaxResidualDim, ")");
+  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument,
+                     "pack_residual_pages: packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
+  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, P, 0, D - rk, Dv - rv, "pack_residual_pages"));
+  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
+                     StatusCode::kInvalidArgument, "pack_residual_pages: ", n_tokens, " tokens do not fill ",
+                     n_pages, " pages of ", P);
+  if (n_pages == 0) return Status::ok();
+  KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, D, Dv, src_pages, dst_pages,
+                                                  n_pages, full.num_pages_total, res.num_pages_total));
+  detail::for_each_page_token(ex, src_pages, dst_pages, n_pages, n_tokens, P,
+                              [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
+    std::int32_t kd[kMaxResidualDim], vd[kMaxResidualDim];
+    for (std::int32_t h = 0; h < H; ++h) {
+      const std::int64_t row = res.row(dst, s, h);
+      detail::dropped_channels(k_channels + static_cast<std::int64_t>(h) * rk, rk, D, kd);
+      detail::dropped_channels(v_channels + static_cast<std::int64_t>(h) * rv, rv, Dv, vd);
+      detail::quantize_residual_row(full.k_data + full.k_offset(src, s, h), kd, D - rk, res.bits,
+                                    res.k_codes + row * res.k_bytes, res.scales + 2 * row);
+      detail::quantize_residual_row(full.v_data + full.v_offset(src, s, h), vd, Dv - rv, res.bits,
+                                    res.v_codes + row * res.v_bytes, res.scales + 2 * row + 1);
+    }
+  });
+  return Status::ok();
+}
+
+/// Writes s * c_j (rounded to T) to the dropped dims of n_tokens tokens of full-width
+/// pages dst_pages[i] of `full` from the residual rows of pages src_pages[i]; the selected
+/// dims are not touched (unpack_channel_pages writes them). Same errors as packing.
+template <class T>
+Status unpack_residual_pages(exec::Host ex, ResidualView res, PagedKVView<T> full,
+                             const std::int32_t* k_channels,  // [Hkv, rk] ascending
+                             const std::int32_t* v_channels,  // [Hkv, rv] ascending
+                             std::int32_t rk, std::int32_t rv,
+                             const std::int32_t* src_pages,   // [n_pages] residual pages
+                             const std::int32_t* dst_pages,   // [n_pages] pages of `full`, distinct
+                             std::int32_t n_pages, std::int32_t n_tokens) {
+  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
+  const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
+  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported,
+                     "unpack_residual_pages: unsupported head_dim ", std::max(D, Dv), " (at most ", kMaxResidualDim,
+                     ")");
+  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument,
+                     "unpack_residual_pages: packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
+  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, P, 0, D - rk, Dv - rv, "unpack_residual_pages"));
+  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
+                     StatusCode::kInvalidArgument, "unpack_residual_pages: ", n_tokens, " tokens do not fill ",
+                     n_pages, " pages of ", P);
+  if (n_pages == 0) return Status::ok();
+  KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, D, Dv, src_pages, dst_pages,
+                                                  n_pages, res.num_pages_total, full.num_pages_total));
+  detail::for_each_page_token(ex, src_pages, dst_pages, n_pages, n_tokens, P,
+                              [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
+    std::int32_t drop[kMaxResidualDim];
+    for (std::int32_t h = 0; h < H; ++h) {
+      const std::int64_t row = res.row(src, s, h);
+      for (int which = 0; which < 2; ++which) {
+        const bool k = which == 0;
+        const std::int32_t dim = k ? D : Dv, r = k ? rk : rv;
+        detail::dropped_channels((k ? k_channels : v_channels) + static_cast<std::int64_t>(h) * r, r, dim, drop);
+        const std::uint8_t* codes = k ? res.k_codes + row * res.k_bytes : res.v_codes + row * res.v_bytes;
+        const float sc = res.scales[2 * row + which];
+        T* x = k ? full.k_data + full.k_offset(dst, s, h) : full.v_data + full.v_offset(dst, s, h);
+        for (std::int32_t j = 0; j < dim - r; ++j)
+          x[drop[j]] = from_float<T>(sc * static_cast<float>(detail::residual_code(codes, j, res.bits)));
+      }
+    }
+  });
+  return Status::ok();
+}
+
+/// Decode attention over the packed pages of `old` (K rows of old.head_dim = rK dims
+/// p.k_channels[h], V rows of old.v_head_dim = rV dims p.v_channels[h], a nullptr set
+/// meaning the rows are full width) plus their residual `res` (same page ids): see the
+/// file comment. q and out are [batch, Hq, p.q_dim]; lse [batch, Hq] (natural log, -inf
+/// for a sequence with no tokens, whose out rows are 0). Page subsets and scores out are
+/// not supported here (kInvalidArgument). Threads split the (sequence, kv head) pairs;
+/// each pair's arithmetic is sequential, so the result does not depend on the thread
+/// count. Never allocates beyond the threads of a call without an executor.
+template <class T>
+Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, ResidualView res,
+                                  const T* q,     // [batch, Hq, q_dim]
+                                  T* out,         // [batch, Hq, q_dim]
+                                  float* lse,     // [batch, Hq]
+                                  const DecodeAttentionParams& p) {
+  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(old, ex));
+  const std::int32_t H = old.num_kv_heads, B = old.batch_size, Dq = p.q_dim;
+  const std::int32_t rk = old.head_dim, rv = old.v_head_dim;
+  KVKIT_CHECK_STATUS(p.num_qo_heads >= H && H > 0 && p.num_qo_heads % H == 0, StatusCode::kInvalidArgument,
+                     "residual_channel_attention: num_qo_heads ", p.num_qo_heads, " is not a multiple of ", H);
+  const std::int32_t G = p.num_qo_heads / H;
+  KVKIT_CHECK_STATUS(std::isfinite(p.sm_scale) && p.sm_scale > 0.f, StatusCode::kInvalidArgument,
+                     "residual_channel_attention: sm_scale must be finite and > 0, got ", p.sm_scale);
+  KVKIT_CHECK_STATUS(Dq >= rk && Dq >= rv && Dq >= 1, StatusCode::kInvalidArgument,
+                     "residual_channel_attention: q_dim ", Dq, " below the packed widths (", rk, ", ", rv, ")");
+  KVKIT_CHECK_STATUS(Dq <= kMaxResidualDim && G <= kMaxResidualGroup, StatusCode::kUnsupported,
+                     "residual_channel_attention: unsupported head_dim ", Dq, " or group ", G, " (at most ",
+                     kMaxResidualDim, ", ", kMaxResidualGroup, ")");
+  KVKIT_CHECK_STATUS((p.k_channels != nullptr || rk == Dq) && (p.v_channels != nullptr || rv == Dq),
+                     StatusCode::kInvalidArgument,
+                     "residual_channel_attention: a packed width below q_dim needs its channel set");
+  KVKIT_CHECK_STATUS(p.page_subset == nullptr && p.page_subset_indptr == nullptr && p.scores == nullptr,
+                     StatusCode::kInvalidArgument,
+                     "residual_channel_attention: page subsets and scores out are not supported");
+  KVKIT_CHECK_STATUS(q != nullptr && out != nullptr && lse != nullptr, StatusCode::kInvalidArgument,
+                     "residual_channel_attention: q, out or lse is null");
+  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, old.page_size, old.num_pages_total, Dq - rk, Dq - rv,
+                                               "residual_channel_attention"));
+  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_page_table(old));
+  // The sets as pack_channel_pages checks them (ids in range, ascending).
+  static const std::int32_t kNone = 0;
+  KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(p.k_channels != nullptr ? p.k_channels : &kNone,
+                                                  p.v_channels != nullptr ? p.v_channels : &kNone, H,
+                                                  p.k_channels != nullptr ? rk : 0, p.v_channels != nullptr ? rv : 0,
+                                                  Dq, Dq, &kNone, &kNone, 0, 1, 1));
+  const float ninf = -std::numeric_limits<float>::infinity();
+  kvkit::detail::parallel_for(ex, static_cast<std::int64_t>(B) * H, [&](std::int64_t ib, std::int64_t ie, int) {
+    std::int32_t ksel[kMaxResidualDim], kdrop[kMaxResidualDim], vsel[kMaxResidualDim], vdrop[kMaxResidualDim];
+    float qs[kMaxResidualGroup][kMaxResidualDim];   // sm_scale * q[S_c] then sm_scale * q[R_j]
+    float acc[kMaxResidualGroup][kMaxResidualDim];  // [g, Dq] unnormalised output (full width)
+    float m[kMaxResidualGroup], l[kMaxResidualGroup], vrow[kMaxResidualDim];
+    for (std::int64_t i = ib; i < ie; ++i) {
+      const std::int32_t b = static_cast<std::int32_t>(i / H), h = static_cast<std::int32_t>(i % H);
+      for (std::int32_t c = 0; c < rk; ++c) ksel[c] = p.k_channels != nullptr ? p.k_channels[static_cast<std::int64_t>(h) * rk + c] : c;
+      for (std::int32_t c = 0; c < rv; ++c) vsel[c] = p.v_channels != nullptr ? p.v_channels[static_cast<std::int64_t>(h) * rv + c] : c;
+      detail::dropped_channels(ksel, rk, Dq, kdrop);
+      detail::dropped_channels(vsel, rv, Dq, vdrop);
+      for (std::int32_t g = 0; g < G; ++g) {
+        const T* qr = q + (static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g) * Dq;
+        for (std::int32_t c = 0; c < rk; ++c) qs[g][c] = p.sm_scale * to_float(qr[ksel[c]]);
+        for (std::int32_t j = 0; j < Dq - rk; ++j) qs[g][rk + j] = p.sm_scale * to_float(qr[kdrop[j]]);
+        std::fill(acc[g], acc[g] + Dq, 0.f);
+        m[g] = ninf;
+        l[g] = 0.f;
+      }
+      const std::int32_t n = old.seq_len(b);
+      for (std::int32_t t = 0; t < n; ++t) {
+        const std::int32_t page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
+        const T* kr = old.k_data + old.k_offset(page, slot, h);
+        const T* vr = old.v_data + old.v_offset(page, slot, h);
+        const std::int64_t row = res.row(page, slot, h);
+        const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
+        const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
+        const float ks = res.scales[2 * row], vs = res.scales[2 * row + 1];
+        // The V row as it reads back, full width.
+        for (std::int32_t c = 0; c < rv; ++c) vrow[vsel[c]] = to_float(vr[c]);
+        for (std::int32_t j = 0; j < Dq - rv; ++j)
+          vrow[vdrop[j]] = vs * static_cast<float>(detail::residual_code(vc, j, res.bits));
+        for (std::int32_t g = 0; g < G; ++g) {
+          float sel = 0.f, drop = 0.f;
+          for (std::int32_t c = 0; c < rk; ++c) sel += qs[g][c] * to_float(kr[c]);
+          for (std::int32_t j = 0; j < Dq - rk; ++j)
+            drop += qs[g][rk + j] * static_cast<float>(detail::residual_code(kc, j, res.bits));
+          const float s = sel + ks * drop;
+          // Online softmax: rescale the running sums when the maximum moves.
+          if (s > m[g]) {
+            const float a = m[g] == ninf ? 0.f : std::exp(m[g] - s);
+            l[g] *= a;
+            for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] *= a;
+            m[g] = s;
+          }
+          const float w = std::exp(s - m[g]);
+          l[g] += w;
+          for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] += w * vrow[d];
+        }
+      }
+      for (std::int32_t g = 0; g < G; ++g) {
+        const std::int64_t r = static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g;
+        T* o = out + r * Dq;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (std::int32_t d = 0; d < Dq; ++d) o[d] = from_float<T>(acc[g][d] * inv);
+        lse[r] = l[g] > 0.f ? m[g] + std::log(l[g]) : ninf;
+      }
+    }
+  });
+  return Status::ok();
+}
+
+}  // namespace channel
+}  // namespace kvkit
