@@ -31,5 +31,6 @@
 #include "kvkit/kernels/cuda/gather.cuh"
 #include "kvkit/kernels/cuda/copy_pages.cuh"
 #include "kvkit/kernels/cuda/kvchan_pack.cuh"
+#include "kvkit/kernels/cuda/kvchan_residual.cuh"
 #include "kvkit/kernels/cuda/r1kv.cuh"
 #include "kvkit/kernels/cuda/eps.cuh"
