@@ -121,7 +121,9 @@ struct AttnSetup {
   std::vector<unsigned char> ws_dense, ws_packed;
 };
 
-std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32_t rk, std::int32_t rv) {
+// bits 4 or 8: the packed pool also keeps the dropped dims as a residual (residual.hpp).
+std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32_t rk, std::int32_t rv,
+                                      std::int32_t bits = 0) {
   auto s = std::make_unique<AttnSetup>();
   s->B = B, s->Hkv = 3, s->G = 3, s->D = 64, s->S = S, s->W = 128, s->P = 16, s->rk = rk, s->rv = rv;
   const std::int32_t P = s->P, D = s->D, H = s->Hkv;
@@ -137,7 +139,7 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   std::vector<std::int32_t> perm(static_cast<std::size_t>(g.num_pages));
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
-  s->pool = std::make_unique<channel::PackedPagePool<float>>(1, H, rk, rv, P);
+  s->pool = std::make_unique<channel::PackedPagePool<float>>(1, H, rk, rv, P, bits, D, D);
   for (std::int32_t h = 0; h < H; ++h) {
     std::vector<std::int32_t> a(static_cast<std::size_t>(D));
     std::iota(a.begin(), a.end(), 0);
@@ -150,6 +152,7 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   }
   s->f_indptr = {0};
   s->o_indptr = {0};
+  std::vector<std::int32_t> src_pages, dst_pages;  // old pages: full pool -> packed pool
   s->w_indptr = {0};
   for (std::int32_t b = 0; b < B; ++b) {
     for (std::int32_t i = 0; i < pages_per; ++i) {
@@ -158,6 +161,8 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
       if (i < opages) {
         const std::int32_t pp = s->pool->allocate();
         s->o_indices.push_back(pp);
+        src_pages.push_back(page);
+        dst_pages.push_back(pp);
         for (std::int32_t t = 0; t < P; ++t)
           for (std::int32_t h = 0; h < H; ++h) {
             const float* kr = s->fk.data() + page * st.page + t * st.token + h * st.head;
@@ -175,6 +180,16 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
     s->f_last.push_back(S - (pages_per - 1) * P);
     s->o_last.push_back(opages > 0 ? P : 0);
     s->w_last.push_back(S - (pages_per - 1) * P);
+  }
+  if (bits != 0) {
+    static const std::int32_t kZero[1] = {0};
+    const PagedKVView<float> store =
+        make_csr_view(g, s->fk.data(), st, s->fv.data(), st, CsrPageTable{kZero, nullptr, nullptr, 0});
+    const Status rs = channel::pack_residual_pages(exec::Host{1}, store, s->pool->residual(0), s->ksel.data(),
+                                                   s->vsel.data(), rk, rv, src_pages.data(), dst_pages.data(),
+                                                   static_cast<std::int32_t>(src_pages.size()),
+                                                   static_cast<std::int32_t>(src_pages.size()) * P);
+    if (!rs.is_ok()) throw Error(rs.to_string());
   }
   s->dense_view = make_csr_view(g, s->fk.data(), st, s->fv.data(), st,
                                 CsrPageTable{s->f_indptr.data(), s->f_indices.data(), s->f_last.data(), B});
@@ -205,8 +220,9 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
 void BM_packed_vs_dense(benchmark::State& state) {
   const std::int32_t B = static_cast<std::int32_t>(state.range(0)), S = static_cast<std::int32_t>(state.range(1));
   const std::int32_t rk = static_cast<std::int32_t>(state.range(2)), rv = static_cast<std::int32_t>(state.range(3));
-  const bool kcomp = state.range(4) != 0;  // key compensation (lse bias) on
-  auto s = make_setup(B, g_small ? 512 : S, rk, rv);
+  const bool kcomp = state.range(4) == 1;  // key compensation (lse bias) on
+  const std::int32_t bits = state.range(4) >= 4 ? static_cast<std::int32_t>(state.range(4)) : 0;  // residual
+  auto s = make_setup(B, g_small ? 512 : S, rk, rv, bits);
   const exec::Host ex{1};
   auto dense = [&] {
     const Status st = paged_decode_attention(ex, s->dense_view, s->q.data(), s->out.data(), s->dense,
@@ -214,9 +230,12 @@ void BM_packed_vs_dense(benchmark::State& state) {
     if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
   };
   auto packed = [&] {
-    const Status st = channel::channel_attention(ex, s->window_view, s->old_view, s->q.data(), s->out.data(), s->dense,
-                                                 s->packed, nullptr, kcomp ? s->kfill.data() : nullptr,
-                                                 Workspace{s->ws_packed.data(), s->ws_packed.size()});
+    const Workspace ws{s->ws_packed.data(), s->ws_packed.size()};
+    const Status st =
+        bits != 0 ? channel::channel_attention(ex, s->window_view, s->old_view, s->pool->residual(0), s->q.data(),
+                                               s->out.data(), s->dense, s->packed, ws)
+                  : channel::channel_attention(ex, s->window_view, s->old_view, s->q.data(), s->out.data(), s->dense,
+                                               s->packed, nullptr, kcomp ? s->kfill.data() : nullptr, ws);
     if (!st.is_ok()) state.SkipWithError(st.to_string().c_str());
   };
   dense();
@@ -237,7 +256,9 @@ void BM_packed_vs_dense(benchmark::State& state) {
   }
   const double S_ = s->S, W = s->W, D = s->D;
   const double old = std::floor((S_ - W) / s->P) * s->P;
-  const double saved = 1.0 - (old * (rk + rv) + (S_ - old) * 2 * D) / (S_ * 2 * D);
+  // Bytes per old token and kv head: the packed pool's page bytes (residual included).
+  const double old_row = static_cast<double>(s->pool->page_bytes()) / (s->P * s->Hkv * sizeof(float));
+  const double saved = 1.0 - (old * old_row + (S_ - old) * 2 * D) / (S_ * 2 * D);
   state.counters["dense_us"] = 1e6 * td / static_cast<double>(n);
   state.counters["packed_us"] = 1e6 * tp / static_cast<double>(n);
   state.counters["ratio"] = tp / td;
@@ -1153,6 +1174,17 @@ int main(int argc, char** argv) {
           ->Args({B, 4096, rk, 64, 1})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
+  // The residual (8 / 4 bits) at its end-to-end operating points.
+  for (std::int64_t B : {1, 8})
+    for (int bits : {8, 4})
+      for (int r : {16, 32})
+        benchmark::RegisterBenchmark(("kvchan_attn_resid" + std::to_string(bits) + "/B" + std::to_string(B) +
+                                      "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
+                                         .c_str(),
+                                     BM_packed_vs_dense)
+            ->Args({B, 4096, r, r, bits})
+            ->UseManualTime()
+            ->Unit(benchmark::kMicrosecond);
   for (int op : {0, 1})
     for (auto rr : {std::pair<int, int>{32, 64}, {16, 32}})
       benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + (g_small ? "/T512/rK" : "/T4096/rK") +

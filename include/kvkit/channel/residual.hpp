@@ -20,7 +20,7 @@
 // rows in the same page id of a PackedPagePool (packed_store.hpp).
 //
 // residual_channel_attention: decode attention over packed pages plus their residual,
-//   score_t = sm_scale * (sum_{c < r} q[S_c] k_t[c] + s_t sum_j q[R_j] c_tj)
+//   score_t = sm_scale * (sum_{c < r} q[S_c] k_t[c] + sum_j q[R_j] (s_t c_tj))
 //   out     = sum_t p_t v'_t, v'_t the V row read back as above (selected dims exact),
 // with the lse of the scaled scores (natural log; -inf when nothing is read), so
 // channel_attention merges it with the full-width window like the plain packed part.
@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kvkit/channel/pack_pages.hpp"
 #include "kvkit/core/dtype.hpp"
@@ -82,6 +83,21 @@ KVKIT_HOST_DEVICE std::int32_t residual_code(const std::uint8_t* codes, std::int
   if (bits == 8) return static_cast<std::int8_t>(codes[j]);
   const std::int32_t nib = (codes[j >> 1] >> ((j & 1) * 4)) & 0xF;
   return nib >= 8 ? nib - 16 : nib;
+}
+
+/// out[j] = s * code j for j < n, Bits known at compile time so the loop vectorizes.
+template <int Bits>
+inline void decode_residual(const std::uint8_t* codes, std::int32_t n, float s, float* out) {
+  if constexpr (Bits == 8) {
+    for (std::int32_t j = 0; j < n; ++j) out[j] = s * static_cast<float>(static_cast<std::int8_t>(codes[j]));
+  } else {
+    for (std::int32_t i = 0; i < n / 2; ++i) {
+      const std::int8_t b = static_cast<std::int8_t>(codes[i]);
+      out[2 * i] = s * static_cast<float>(static_cast<std::int8_t>(static_cast<std::uint8_t>(b << 4)) >> 4);
+      out[2 * i + 1] = s * static_cast<float>(b >> 4);
+    }
+    if (n % 2 != 0) out[n - 1] = s * static_cast<float>(residual_code(codes, n - 1, 4));
+  }
 }
 
 /// The dims of [0, dim) not in the ascending set ch[0, r), ascending, into out[dim - r].
@@ -272,65 +288,95 @@ Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, Resi
                                                   p.k_channels != nullptr ? rk : 0, p.v_channels != nullptr ? rv : 0,
                                                   Dq, Dq, &kNone, &kNone, 0, 1, 1));
   const float ninf = -std::numeric_limits<float>::infinity();
+  auto run = [&](auto bits_tag) {
+  constexpr int kBits = decltype(bits_tag)::value;
   kvkit::detail::parallel_for(ex, static_cast<std::int64_t>(B) * H, [&](std::int64_t ib, std::int64_t ie, int) {
-    std::int32_t ksel[kMaxResidualDim], kdrop[kMaxResidualDim], vsel[kMaxResidualDim], vdrop[kMaxResidualDim];
-    float qs[kMaxResidualGroup][kMaxResidualDim];   // sm_scale * q[S_c] then sm_scale * q[R_j]
-    float acc[kMaxResidualGroup][kMaxResidualDim];  // [g, Dq] unnormalised output (full width)
-    float m[kMaxResidualGroup], l[kMaxResidualGroup], vrow[kMaxResidualDim];
+    // Dims are kept permuted, selected first then dropped (both ascending): q in that order
+    // (scaled), keys of a block of kBlock tokens transposed ([dim][token], the scale folded
+    // into the codes) so a score block is Dq vector FMAs, V rows and the accumulators in that
+    // order too; the output is scattered back to natural order once at the end.
+    constexpr std::int32_t kBlock = 16;
+    std::int32_t kord[kMaxResidualDim], vord[kMaxResidualDim];  // permuted position -> dim
+    float qs[kMaxResidualGroup][kMaxResidualDim];   // [g, Dq] sm_scale * q, K order
+    float acc[kMaxResidualGroup][kMaxResidualDim];  // [g, Dq] unnormalised output, V order
+    float kt[kMaxResidualDim][kBlock];              // [Dq, token] keys of the block, K order
+    float sc[kMaxResidualGroup][kBlock];            // [g, token] scores, then weights
+    float m[kMaxResidualGroup], l[kMaxResidualGroup], vrow[kMaxResidualDim], krow[kMaxResidualDim];
     for (std::int64_t i = ib; i < ie; ++i) {
       const std::int32_t b = static_cast<std::int32_t>(i / H), h = static_cast<std::int32_t>(i % H);
-      for (std::int32_t c = 0; c < rk; ++c) ksel[c] = p.k_channels != nullptr ? p.k_channels[static_cast<std::int64_t>(h) * rk + c] : c;
-      for (std::int32_t c = 0; c < rv; ++c) vsel[c] = p.v_channels != nullptr ? p.v_channels[static_cast<std::int64_t>(h) * rv + c] : c;
-      detail::dropped_channels(ksel, rk, Dq, kdrop);
-      detail::dropped_channels(vsel, rv, Dq, vdrop);
+      for (std::int32_t c = 0; c < rk; ++c) kord[c] = p.k_channels != nullptr ? p.k_channels[static_cast<std::int64_t>(h) * rk + c] : c;
+      for (std::int32_t c = 0; c < rv; ++c) vord[c] = p.v_channels != nullptr ? p.v_channels[static_cast<std::int64_t>(h) * rv + c] : c;
+      detail::dropped_channels(kord, rk, Dq, kord + rk);
+      detail::dropped_channels(vord, rv, Dq, vord + rv);
       for (std::int32_t g = 0; g < G; ++g) {
         const T* qr = q + (static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g) * Dq;
-        for (std::int32_t c = 0; c < rk; ++c) qs[g][c] = p.sm_scale * to_float(qr[ksel[c]]);
-        for (std::int32_t j = 0; j < Dq - rk; ++j) qs[g][rk + j] = p.sm_scale * to_float(qr[kdrop[j]]);
+        for (std::int32_t d = 0; d < Dq; ++d) qs[g][d] = p.sm_scale * to_float(qr[kord[d]]);
         std::fill(acc[g], acc[g] + Dq, 0.f);
         m[g] = ninf;
         l[g] = 0.f;
       }
       const std::int32_t n = old.seq_len(b);
-      for (std::int32_t t = 0; t < n; ++t) {
-        const std::int32_t page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
-        const T* kr = old.k_data + old.k_offset(page, slot, h);
-        const T* vr = old.v_data + old.v_offset(page, slot, h);
-        const std::int64_t row = res.row(page, slot, h);
-        const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
-        const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
-        const float ks = res.scales[2 * row], vs = res.scales[2 * row + 1];
-        // The V row as it reads back, full width.
-        for (std::int32_t c = 0; c < rv; ++c) vrow[vsel[c]] = to_float(vr[c]);
-        for (std::int32_t j = 0; j < Dq - rv; ++j)
-          vrow[vdrop[j]] = vs * static_cast<float>(detail::residual_code(vc, j, res.bits));
+      for (std::int32_t t0 = 0; t0 < n; t0 += kBlock) {
+        const std::int32_t nb = std::min(kBlock, n - t0);
+        for (std::int32_t j = 0; j < nb; ++j) {  // transpose the block's keys as they read back
+          const std::int32_t t = t0 + j, page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
+          const T* kr = old.k_data + old.k_offset(page, slot, h);
+          const std::int64_t row = res.row(page, slot, h);
+          const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
+          for (std::int32_t c = 0; c < rk; ++c) krow[c] = to_float(kr[c]);
+          detail::decode_residual<kBits>(kc, Dq - rk, res.scales[2 * row], krow + rk);
+          for (std::int32_t d = 0; d < Dq; ++d) kt[d][j] = krow[d];
+        }
+        for (std::int32_t j = nb; j < kBlock; ++j)
+          for (std::int32_t d = 0; d < Dq; ++d) kt[d][j] = 0.f;  // (scores of missing tokens unused)
         for (std::int32_t g = 0; g < G; ++g) {
-          float sel = 0.f, drop = 0.f;
-          for (std::int32_t c = 0; c < rk; ++c) sel += qs[g][c] * to_float(kr[c]);
-          for (std::int32_t j = 0; j < Dq - rk; ++j)
-            drop += qs[g][rk + j] * static_cast<float>(detail::residual_code(kc, j, res.bits));
-          const float s = sel + ks * drop;
-          // Online softmax: rescale the running sums when the maximum moves.
-          if (s > m[g]) {
-            const float a = m[g] == ninf ? 0.f : std::exp(m[g] - s);
+          float* s = sc[g];
+          std::fill(s, s + kBlock, 0.f);
+          for (std::int32_t d = 0; d < Dq; ++d) {
+            const float qd = qs[g][d];
+            for (std::int32_t j = 0; j < kBlock; ++j) s[j] += qd * kt[d][j];
+          }
+          // Online softmax by block: rescale the running sums once when the maximum moves.
+          float bm = m[g];
+          for (std::int32_t j = 0; j < nb; ++j) bm = std::max(bm, s[j]);
+          if (bm > m[g]) {
+            const float a = m[g] == ninf ? 0.f : std::exp(m[g] - bm);
             l[g] *= a;
             for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] *= a;
-            m[g] = s;
+            m[g] = bm;
           }
-          const float w = std::exp(s - m[g]);
-          l[g] += w;
-          for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] += w * vrow[d];
+          for (std::int32_t j = 0; j < nb; ++j) {
+            s[j] = std::exp(s[j] - m[g]);
+            l[g] += s[j];
+          }
+        }
+        for (std::int32_t j = 0; j < nb; ++j) {  // V rows as they read back, V order
+          const std::int32_t t = t0 + j, page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
+          const T* vr = old.v_data + old.v_offset(page, slot, h);
+          const std::int64_t row = res.row(page, slot, h);
+          const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
+          for (std::int32_t c = 0; c < rv; ++c) vrow[c] = to_float(vr[c]);
+          detail::decode_residual<kBits>(vc, Dq - rv, res.scales[2 * row + 1], vrow + rv);
+          for (std::int32_t g = 0; g < G; ++g) {
+            const float w = sc[g][j];
+            for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] += w * vrow[d];
+          }
         }
       }
       for (std::int32_t g = 0; g < G; ++g) {
         const std::int64_t r = static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g;
         T* o = out + r * Dq;
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (std::int32_t d = 0; d < Dq; ++d) o[d] = from_float<T>(acc[g][d] * inv);
+        for (std::int32_t c = 0; c < Dq; ++c) o[vord[c]] = from_float<T>(acc[g][c] * inv);
         lse[r] = l[g] > 0.f ? m[g] + std::log(l[g]) : ninf;
       }
     }
   });
+  };
+  if (res.bits == 8)
+    run(std::integral_constant<int, 8>{});
+  else
+    run(std::integral_constant<int, 4>{});
   return Status::ok();
 }
 

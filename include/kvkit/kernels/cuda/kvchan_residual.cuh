@@ -6,10 +6,11 @@
 // Packing and unpacking give the CPU twin's bytes bit for bit: one thread per (token,
 // head, K or V) row walks its dropped dims in ascending order as the CPU does, with the
 // same float arithmetic (IEEE division, rintf = round half to even, no FMA in play).
-// Attention runs one thread per (sequence, query head) over its tokens in order, with the
-// CPU twin's loop structure (selected sum, residual sum, online softmax), so it differs
-// from the CPU only by expf / logf rounding: a correctness twin, not a tuned kernel (it
-// has not run on a GPU yet; the parity test runs where one is present).
+// Attention runs one thread per (sequence, query head) over its tokens in order (selected
+// sum, residual sum, online softmax per token); the CPU twin computes the same formula with
+// the scale folded into the codes and its maximum updated per block of 16 tokens, so the
+// two agree to float rounding. A correctness twin, not a tuned kernel (it has not run on a
+// GPU yet; the parity test runs where one is present).
 //
 // Errors: the host checks of the CPU twin return at once; bad page or channel ids (and
 // bad page tables for attention) are recorded in *ex.status by a validation kernel, and
