@@ -553,32 +553,40 @@ std::vector<double> attention_kls(const Trace& t, const std::vector<std::int32_t
   return kls;
 }
 
+// Exact attention weights of query q [D] over the first n tokens of (layer l, kv head h),
+// float64, into p [n].
+void exact_weights(const Trace& t, std::int32_t l, std::int32_t h, const float* q, std::int32_t n,
+                   std::vector<double>& p) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
+  p.resize(static_cast<std::size_t>(n));
+  double ma = -1e300;
+  for (std::int32_t j = 0; j < n; ++j) {
+    const float* k = t.krow(l, j, h);
+    double x = 0;
+    for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
+    p[static_cast<std::size_t>(j)] = x * scale;
+    ma = std::max(ma, x * scale);
+  }
+  double z = 0;
+  for (double& x : p) z += (x = std::exp(x - ma));
+  for (double& x : p) x /= z;
+}
+
 // Output-level effect of V pruning (K full width, exact attention weights): relative error
 // ||o - o'|| / ||o|| per (eval step, layer, query head), o' reading the old tokens' dropped
 // V dims as 0 or (compensate) as their mean over the old tokens.
 std::vector<double> value_errors(const Trace& t, const std::vector<std::int32_t>& sel, std::int32_t r,
                                  std::int32_t W, bool compensate, const std::vector<double>& vps) {
   std::vector<double> errs;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
   std::vector<double> a, o(static_cast<std::size_t>(t.D)), e(static_cast<std::size_t>(t.D));
   for_each_masked_head(t, sel, r, W, [&](std::int32_t n, std::int32_t old, std::int32_t l, std::int32_t h,
                                          const float* q, const char* mask) {
-    a.resize(static_cast<std::size_t>(n));
-    double ma = -1e300;
-    for (std::int32_t j = 0; j < n; ++j) {
-      const float* k = t.krow(l, j, h);
-      double x = 0;
-      for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
-      a[static_cast<std::size_t>(j)] = x * scale;
-      ma = std::max(ma, x * scale);
-    }
-    double z = 0;
-    for (std::int32_t j = 0; j < n; ++j) z += std::exp(a[static_cast<std::size_t>(j)] - ma);
+    exact_weights(t, l, h, q, n, a);
     std::fill(o.begin(), o.end(), 0.0);
     std::fill(e.begin(), e.end(), 0.0);
     double p_old = 0;
     for (std::int32_t j = 0; j < n; ++j) {
-      const double pj = std::exp(a[static_cast<std::size_t>(j)] - ma) / z;
+      const double pj = a[static_cast<std::size_t>(j)];
       const float* v = t.vrow(l, j, h);
       for (std::int32_t d = 0; d < t.D; ++d) {
         o[static_cast<std::size_t>(d)] += pj * v[d];
@@ -793,24 +801,13 @@ std::vector<double> residual_value_errors(const Trace& t, const std::vector<std:
                                           std::int32_t W, std::int32_t bits) {
   std::vector<double> errs, a, o(static_cast<std::size_t>(t.D)), e(static_cast<std::size_t>(t.D)),
       vq(static_cast<std::size_t>(t.D));
-  const double scale = 1.0 / std::sqrt(static_cast<double>(t.D));
   for_each_masked_head(t, sel, r, W, [&](std::int32_t n, std::int32_t old, std::int32_t l, std::int32_t h,
                                          const float* q, const char* mask) {
-    a.resize(static_cast<std::size_t>(n));
-    double ma = -1e300;
-    for (std::int32_t j = 0; j < n; ++j) {
-      const float* k = t.krow(l, j, h);
-      double x = 0;
-      for (std::int32_t d = 0; d < t.D; ++d) x += static_cast<double>(q[d]) * k[d];
-      a[static_cast<std::size_t>(j)] = x * scale;
-      ma = std::max(ma, x * scale);
-    }
-    double z = 0;
-    for (std::int32_t j = 0; j < n; ++j) z += std::exp(a[static_cast<std::size_t>(j)] - ma);
+    exact_weights(t, l, h, q, n, a);
     std::fill(o.begin(), o.end(), 0.0);
     std::fill(e.begin(), e.end(), 0.0);
     for (std::int32_t j = 0; j < n; ++j) {
-      const double pj = std::exp(a[static_cast<std::size_t>(j)] - ma) / z;
+      const double pj = a[static_cast<std::size_t>(j)];
       const float* v = t.vrow(l, j, h);
       if (j < old) quantize_dropped(v, mask, t.D, bits, vq.data());
       for (std::int32_t d = 0; d < t.D; ++d) {

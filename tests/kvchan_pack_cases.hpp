@@ -3,7 +3,8 @@
 // test (test_kvchan_pack.cpp) and the CUDA parity test (cuda/test_kvchan_pack_cuda.cu):
 // a full-width pool (NHD or HND, random values), a packed NHD pool pre-filled with random
 // values (so untouched slots are detectable), random ascending channel sets per head,
-// random fills, and random distinct page ids on both sides.
+// random fills, and random distinct page ids on both sides; and residual arrays
+// (ResidualCase) for the residual tests.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kvkit/channel/pack_pages.hpp"
+#include "kvkit/channel/residual.hpp"
 #include "reference.hpp"
 
 namespace kvkit {
@@ -91,6 +93,26 @@ PackCase<T> make_pack_case(std::int32_t heads, std::int32_t k_dim, std::int32_t 
   c.packed_pages = random_pages(c.n_pages, c.packed_g.num_pages, rng);
   return c;
 }
+
+/// Residual arrays of one layer (channel/residual.hpp), host-owned, filled with random
+/// bytes and scales so rows a call must not touch stay detectable; `view` points at them.
+struct ResidualCase {
+  std::vector<std::uint8_t> kc, vc;  // [pages, page_size, heads, k_bytes / v_bytes] (+1)
+  std::vector<float> sc;             // [pages, page_size, heads, 2]
+  channel::ResidualView view;
+  ResidualCase(std::int32_t bits, std::int32_t heads, std::int32_t page_size, std::int32_t pages,
+               std::int32_t n_drop_k, std::int32_t n_drop_v, std::mt19937_64& rng) {
+    const std::size_t rows = static_cast<std::size_t>(pages) * page_size * heads;
+    const std::int32_t kb = channel::residual_code_bytes(n_drop_k, bits);
+    const std::int32_t vb = channel::residual_code_bytes(n_drop_v, bits);
+    kc.resize(rows * kb + 1);
+    vc.resize(rows * vb + 1);
+    for (auto& x : kc) x = static_cast<std::uint8_t>(rng());
+    for (auto& x : vc) x = static_cast<std::uint8_t>(rng());
+    sc = random_vector<float>(rows * 2, rng);
+    view = {kc.data(), vc.data(), sc.data(), bits, kb, vb, page_size, heads, pages};
+  }
+};
 
 }  // namespace test
 }  // namespace kvkit

@@ -26,24 +26,6 @@ using kvkit::test::PackCase;
 
 namespace {
 
-// The residual arrays of one layer, owned by the test.
-struct ResidualArrays {
-  std::vector<std::uint8_t> kc, vc;
-  std::vector<float> sc;
-  channel::ResidualView view;
-  ResidualArrays(std::int32_t bits, std::int32_t heads, std::int32_t page_size, std::int32_t pages,
-                 std::int32_t n_drop_k, std::int32_t n_drop_v, std::mt19937_64& rng) {
-    const std::size_t rows = static_cast<std::size_t>(pages) * page_size * heads;
-    const std::int32_t kb = channel::residual_code_bytes(n_drop_k, bits), vb = channel::residual_code_bytes(n_drop_v, bits);
-    kc.resize(rows * kb + 1);
-    vc.resize(rows * vb + 1);
-    for (auto& x : kc) x = static_cast<std::uint8_t>(rng());  // garbage: untouched rows stay detectable
-    for (auto& x : vc) x = static_cast<std::uint8_t>(rng());
-    sc = test::random_vector<float>(rows * 2, rng);
-    view = {kc.data(), vc.data(), sc.data(), bits, kb, vb, page_size, heads, pages};
-  }
-};
-
 // Reference of one dropped dim's code and scale, from the file comment's formulas.
 template <class T>
 void reference_row(const T* x, const std::vector<std::int32_t>& drop, std::int32_t bits, std::vector<std::int32_t>& code,
@@ -70,7 +52,7 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
   PackCase<T> c = c0;
   auto full = c.full_view(c.fk.data(), c.fv.data());
   auto packed = c.packed_view(c.pk.data(), c.pv.data());
-  ResidualArrays ra(bits, c.heads, c.page_size, c.packed_g.num_pages, c.k_dim - c.rk, c.v_dim - c.rv, rng);
+  test::ResidualCase ra(bits, c.heads, c.page_size, c.packed_g.num_pages, c.k_dim - c.rk, c.v_dim - c.rv, rng);
   const std::vector<std::uint8_t> kc0 = ra.kc;
   REQUIRE(channel::pack_channel_pages(ex, full, packed, c.kch.data(), c.vch.data(), c.full_pages.data(),
                                       c.packed_pages.data(), c.n_pages, c.n_tokens)
@@ -333,7 +315,7 @@ TEST_CASE("residual: bad bits, geometry and head dims are rejected naming the va
   const auto c = test::make_pack_case<float>(2, 8, 8, 3, 5, 4, 9, KVLayout::kNHD, rng);
   PackCase<float> cc = c;
   auto full = cc.full_view(cc.fk.data(), cc.fv.data());
-  ResidualArrays ra(8, 2, 4, cc.packed_g.num_pages, 5, 3, rng);
+  test::ResidualCase ra(8, 2, 4, cc.packed_g.num_pages, 5, 3, rng);
   const std::vector<std::uint8_t> kc0 = ra.kc;
   auto msg = [](const Status& s) { return s.to_string(); };
   channel::ResidualView bad = ra.view;

@@ -28,39 +28,21 @@ using kvkit::test::Stream;
 
 namespace {
 
-// Host and device residual arrays of the same geometry, initialised with the same garbage.
-struct ResidualPair {
-  std::vector<std::uint8_t> kc, vc;
-  std::vector<float> sc;
-  channel::ResidualView host;
-  ResidualPair(std::int32_t bits, std::int32_t heads, std::int32_t page_size, std::int32_t pages, std::int32_t nk,
-               std::int32_t nv, std::mt19937_64& rng) {
-    const std::size_t rows = static_cast<std::size_t>(pages) * page_size * heads;
-    const std::int32_t kb = channel::residual_code_bytes(nk, bits), vb = channel::residual_code_bytes(nv, bits);
-    kc.resize(rows * kb + 1);
-    vc.resize(rows * vb + 1);
-    for (auto& x : kc) x = static_cast<std::uint8_t>(rng());
-    for (auto& x : vc) x = static_cast<std::uint8_t>(rng());
-    sc = test::random_vector<float>(rows * 2, rng);
-    host = {kc.data(), vc.data(), sc.data(), bits, kb, vb, page_size, heads, pages};
-  }
-};
-
 template <class T>
 void check_parity(const PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng) {
   PackCase<T> c = c0;
-  ResidualPair hp(bits, c.heads, c.page_size, c.packed_g.num_pages, c.k_dim - c.rk, c.v_dim - c.rv, rng);
+  test::ResidualCase hp(bits, c.heads, c.page_size, c.packed_g.num_pages, c.k_dim - c.rk, c.v_dim - c.rv, rng);
   DeviceBuffer<T> fk(c.fk), fv(c.fv);
   DeviceBuffer<std::uint8_t> dkc(hp.kc), dvc(hp.vc);
   DeviceBuffer<float> dsc(hp.sc);
   DeviceBuffer<std::int32_t> kch(c.kch), vch(c.vch), fp(c.full_pages), pp(c.packed_pages);
-  channel::ResidualView dres = hp.host;
+  channel::ResidualView dres = hp.view;
   dres.k_codes = dkc.get();
   dres.v_codes = dvc.get();
   dres.scales = dsc.get();
   Stream st;
   const exec::Host host{1};
-  REQUIRE(channel::pack_residual_pages(host, c.full_view(c.fk.data(), c.fv.data()), hp.host, c.kch.data(),
+  REQUIRE(channel::pack_residual_pages(host, c.full_view(c.fk.data(), c.fv.data()), hp.view, c.kch.data(),
                                        c.vch.data(), c.rk, c.rv, c.full_pages.data(), c.packed_pages.data(), c.n_pages,
                                        c.n_tokens)
               .is_ok());
@@ -76,7 +58,7 @@ void check_parity(const PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng
   const std::vector<std::int32_t> pages = test::random_pages(c.n_pages, c.full_g.num_pages, rng);
   DeviceBuffer<T> dbk(bk), dbv(bv);
   DeviceBuffer<std::int32_t> dpages(pages);
-  REQUIRE(channel::unpack_residual_pages(host, hp.host, c.full_view(bk.data(), bv.data()), c.kch.data(), c.vch.data(),
+  REQUIRE(channel::unpack_residual_pages(host, hp.view, c.full_view(bk.data(), bv.data()), c.kch.data(), c.vch.data(),
                                          c.rk, c.rv, c.packed_pages.data(), pages.data(), c.n_pages, c.n_tokens)
               .is_ok());
   KVKIT_REQUIRE_OK(channel::unpack_residual_pages(st.exec(), dres, c.full_view(dbk.get(), dbv.get(), MemorySpace::kCuda),
@@ -111,7 +93,7 @@ void check_parity(const PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng
   p.k_channels = c.kch.data();
   p.v_channels = c.vch.data();
   p.q_dim = D;
-  REQUIRE(channel::residual_channel_attention(host, hview, hp.host, q.data(), out.data(), lse.data(), p).is_ok());
+  REQUIRE(channel::residual_channel_attention(host, hview, hp.view, q.data(), out.data(), lse.data(), p).is_ok());
   p.k_channels = kch.get();
   p.v_channels = vch.get();
   KVKIT_REQUIRE_OK(channel::residual_channel_attention(st.exec(), dview, dres, dq.get(), dout.get(), dlse.get(), p));
@@ -155,8 +137,8 @@ TEST_CASE("CUDA residual: a bad channel id is recorded and nothing is written", 
   KVKIT_TEST_RNG(rng);
   const auto c = test::make_pack_case<float>(2, 8, 8, 3, 5, 4, 9, KVLayout::kNHD, rng);
   // Host checks first (no GPU needed): bad bits.
-  ResidualPair hp(8, 2, 4, c.packed_g.num_pages, 5, 3, rng);
-  channel::ResidualView bad = hp.host;
+  test::ResidualCase hp(8, 2, 4, c.packed_g.num_pages, 5, 3, rng);
+  channel::ResidualView bad = hp.view;
   bad.bits = 5;
   const auto hfull = c.full_view(const_cast<float*>(c.fk.data()), const_cast<float*>(c.fv.data()), MemorySpace::kCuda);
   const Status s = channel::pack_residual_pages(exec::Cuda{nullptr, nullptr}, hfull, bad, c.kch.data(), c.vch.data(),
@@ -170,7 +152,7 @@ TEST_CASE("CUDA residual: a bad channel id is recorded and nothing is written", 
   std::vector<std::int32_t> kch = c.kch;
   kch[1] = 99;
   DeviceBuffer<std::int32_t> dkch(kch), dvch(c.vch), fp(c.full_pages), pp(c.packed_pages);
-  channel::ResidualView dres = hp.host;
+  channel::ResidualView dres = hp.view;
   dres.k_codes = dkc.get();
   dres.v_codes = dvc.get();
   dres.scales = dsc.get();

@@ -155,6 +155,25 @@ inline Status check_residual(const ResidualView& res, std::int32_t heads, std::i
   return Status::ok();
 }
 
+/// The host checks pack and unpack share (both backends): `full`'s memory space and
+/// geometry, head dims the kernels take, packed widths, residual geometry and counts.
+template <class T, class Exec>
+Status check_residual_pages_args(const Exec& ex, const PagedKVView<T>& full, const ResidualView& res,
+                                 std::int32_t rk, std::int32_t rv, std::int32_t n_pages, std::int32_t n_tokens,
+                                 const char* op) {
+  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
+  const std::int32_t D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
+  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported, op,
+                     ": unsupported head_dim ", D > Dv ? D : Dv, " (at most ", kMaxResidualDim, ")");
+  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument, op,
+                     ": packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
+  KVKIT_RETURN_IF_ERROR(check_residual(res, full.num_kv_heads, P, 0, D - rk, Dv - rv, op));
+  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
+                     StatusCode::kInvalidArgument, op, ": ", n_tokens, " tokens do not fill ", n_pages, " pages of ",
+                     P);
+  return Status::ok();
+}
+
 }  // namespace detail
 
 /// Writes the residual of n_tokens tokens of full-width pages src_pages[i] of `full` into
@@ -169,16 +188,9 @@ Status pack_residual_pages(exec::Host ex, PagedKVView<T> full, ResidualView res,
                            const std::int32_t* src_pages,   // [n_pages] pages of `full`
                            const std::int32_t* dst_pages,   // [n_pages] residual pages, distinct
                            std::int32_t n_pages, std::int32_t n_tokens) {
-  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
+  KVKIT_RETURN_IF_ERROR(
+      detail::check_residual_pages_args(ex, full, res, rk, rv, n_pages, n_tokens, "pack_residual_pages"));
   const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
-  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported,
-                     "pack_residual_pages: unsupported head_dim ", std::max(D, Dv), " (at most ", kMaxResidualDim, ")");
-  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument,
-                     "pack_residual_pages: packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
-  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, P, 0, D - rk, Dv - rv, "pack_residual_pages"));
-  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
-                     StatusCode::kInvalidArgument, "pack_residual_pages: ", n_tokens, " tokens do not fill ",
-                     n_pages, " pages of ", P);
   if (n_pages == 0) return Status::ok();
   KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, D, Dv, src_pages, dst_pages,
                                                   n_pages, full.num_pages_total, res.num_pages_total));
@@ -209,17 +221,9 @@ Status unpack_residual_pages(exec::Host ex, ResidualView res, PagedKVView<T> ful
                              const std::int32_t* src_pages,   // [n_pages] residual pages
                              const std::int32_t* dst_pages,   // [n_pages] pages of `full`, distinct
                              std::int32_t n_pages, std::int32_t n_tokens) {
-  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
+  KVKIT_RETURN_IF_ERROR(
+      detail::check_residual_pages_args(ex, full, res, rk, rv, n_pages, n_tokens, "unpack_residual_pages"));
   const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
-  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported,
-                     "unpack_residual_pages: unsupported head_dim ", std::max(D, Dv), " (at most ", kMaxResidualDim,
-                     ")");
-  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument,
-                     "unpack_residual_pages: packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
-  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, P, 0, D - rk, Dv - rv, "unpack_residual_pages"));
-  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
-                     StatusCode::kInvalidArgument, "unpack_residual_pages: ", n_tokens, " tokens do not fill ",
-                     n_pages, " pages of ", P);
   if (n_pages == 0) return Status::ok();
   KVKIT_RETURN_IF_ERROR(detail::check_pack_tables(k_channels, v_channels, H, rk, rv, D, Dv, src_pages, dst_pages,
                                                   n_pages, res.num_pages_total, full.num_pages_total));

@@ -84,8 +84,8 @@ __global__ void kvchan_pack_kernel(PagedKVView<T> full, PagedKVView<T> packed,
   }
 }
 
-// Position of d in the ascending set ch[0, r), or -1.
-KVKIT_DEVICE std::int32_t find_channel(const std::int32_t* ch, std::int32_t r, std::int32_t d) {
+// Number of entries of the ascending set ch[0, r) below d (binary search).
+KVKIT_DEVICE std::int32_t count_below(const std::int32_t* ch, std::int32_t r, std::int32_t d) {
   std::int32_t lo = 0, hi = r;
   while (lo < hi) {
     const std::int32_t mid = (lo + hi) / 2;
@@ -94,6 +94,12 @@ KVKIT_DEVICE std::int32_t find_channel(const std::int32_t* ch, std::int32_t r, s
     else
       hi = mid;
   }
+  return lo;
+}
+
+// Position of d in the ascending set ch[0, r), or -1.
+KVKIT_DEVICE std::int32_t find_channel(const std::int32_t* ch, std::int32_t r, std::int32_t d) {
+  const std::int32_t lo = count_below(ch, r, d);
   return lo < r && ch[lo] == d ? lo : -1;
 }
 

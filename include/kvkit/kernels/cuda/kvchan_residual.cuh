@@ -25,19 +25,6 @@
 namespace kvkit {
 namespace cuda_detail {
 
-// Number of entries of the ascending set ch[0, r) below d (binary search).
-KVKIT_DEVICE std::int32_t count_below(const std::int32_t* ch, std::int32_t r, std::int32_t d) {
-  std::int32_t lo = 0, hi = r;
-  while (lo < hi) {
-    const std::int32_t mid = (lo + hi) / 2;
-    if (ch[mid] < d)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 // The residual of one row: x [dim] with ascending set ch [r]; codes and *scale as the CPU.
 template <class T>
 KVKIT_DEVICE void quantize_row_dev(const T* x, const std::int32_t* ch, std::int32_t r, std::int32_t dim,
@@ -241,16 +228,8 @@ Status pack_residual_pages(exec::Cuda ex, PagedKVView<T> full, ResidualView res,
                            const std::int32_t* dst_pages,   // [n_pages] device, residual pages, distinct
                            std::int32_t n_pages, std::int32_t n_tokens) {
   constexpr const char* kOp = "pack_residual_pages";
-  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
-  const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
-  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported, kOp,
-                     ": unsupported head_dim ", D > Dv ? D : Dv, " (at most ", kMaxResidualDim, ")");
-  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument, kOp,
-                     ": packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
-  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, P, 0, D - rk, Dv - rv, kOp));
-  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
-                     StatusCode::kInvalidArgument, kOp, ": ", n_tokens, " tokens do not fill ", n_pages,
-                     " pages of ", P);
+  KVKIT_RETURN_IF_ERROR(detail::check_residual_pages_args(ex, full, res, rk, rv, n_pages, n_tokens, kOp));
+  const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim;
   if (n_pages == 0) return Status::ok();
   KVKIT_RETURN_IF_ERROR(detail::launch_set_checks(ex, k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
                                                   dst_pages, n_pages, full.num_pages_total, res.num_pages_total,
@@ -272,16 +251,8 @@ Status unpack_residual_pages(exec::Cuda ex, ResidualView res, PagedKVView<T> ful
                              const std::int32_t* dst_pages,   // [n_pages] device, pages of `full`, distinct
                              std::int32_t n_pages, std::int32_t n_tokens) {
   constexpr const char* kOp = "unpack_residual_pages";
-  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(full, ex));
-  const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim, P = full.page_size;
-  KVKIT_CHECK_STATUS(D <= kMaxResidualDim && Dv <= kMaxResidualDim, StatusCode::kUnsupported, kOp,
-                     ": unsupported head_dim ", D > Dv ? D : Dv, " (at most ", kMaxResidualDim, ")");
-  KVKIT_CHECK_STATUS(rk >= 1 && rk <= D && rv >= 1 && rv <= Dv, StatusCode::kInvalidArgument, kOp,
-                     ": packed widths (", rk, ", ", rv, ") outside [1, (", D, ", ", Dv, ")]");
-  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, P, 0, D - rk, Dv - rv, kOp));
-  KVKIT_CHECK_STATUS(n_pages >= 0 && (static_cast<std::int64_t>(n_tokens) + P - 1) / P == n_pages,
-                     StatusCode::kInvalidArgument, kOp, ": ", n_tokens, " tokens do not fill ", n_pages,
-                     " pages of ", P);
+  KVKIT_RETURN_IF_ERROR(detail::check_residual_pages_args(ex, full, res, rk, rv, n_pages, n_tokens, kOp));
+  const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim;
   if (n_pages == 0) return Status::ok();
   KVKIT_RETURN_IF_ERROR(detail::launch_set_checks(ex, k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
                                                   dst_pages, n_pages, res.num_pages_total, full.num_pages_total,
