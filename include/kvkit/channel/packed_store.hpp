@@ -14,10 +14,10 @@
 // written to the rV selected dims of the output, zero elsewhere) and a full-width window
 // part (dense), merged in log-sum-exp form (merge_attention_states); with a residual
 // (residual.hpp) the old part reads its dropped dims from their b-bit codes instead of 0.
-// Mean compensation
-// adds, to the old part's normalised output, a per-(sequence, kv head) vector `v_fill`
-// (the mean over packed tokens of each dropped V dim): since the old part's attention
-// weights sum to 1, this equals attention over V rows whose dropped dims hold that mean.
+// Mean compensation adds, to the old part's normalised output, a per-(sequence, kv head)
+// vector `v_fill` (the mean over packed tokens of each dropped V dim): since the old part's
+// attention weights sum to 1, this equals attention over V rows whose dropped dims hold
+// that mean.
 // Key compensation adds, to the old part's log-sum-exp of each query row, sm_scale * q·k_fill
 // (natural log, as the kernel's lse), `k_fill` the per-(sequence, kv head) mean over packed
 // tokens of each dropped K dim (0 on kept dims): the term is the same for every packed token,
