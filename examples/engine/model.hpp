@@ -296,6 +296,17 @@ class Model {
     for (Eigen::Index b = 0; b < x.cols(); ++b) y.col(b).noalias() = w * x.col(b);
   }
 
+  // y.col(b) = w * x.col(b) for a projection with one output (wo, w2): on its quantized
+  // matrix `qw` when the layer has one, else on the float weights `w`.
+  template <class Mat, class In, class Out>
+  void project(const QMatrix* qw, const Mat& w, In& x, Out& y) {
+    if (qw == nullptr) return matvec(w, x, y);
+    for (Eigen::Index b = 0; b < x.cols(); ++b) {
+      const QMatvecOut o{qw, y.col(b).data()};
+      qmatvec(x.col(b).data(), static_cast<std::int32_t>(x.rows()), &o, 1);
+    }
+  }
+
   // Quantizes x [n] once and runs the k products sharing it as one job on the pool.
   void qmatvec(const float* x /* [n] */, std::int32_t n, const QMatvecOut* outs /* [k] */, int k) {
     quantize_activation(x, n, qa_.data());
@@ -390,14 +401,7 @@ Status Model::forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_
     } else {
       KVKIT_RETURN_IF_ERROR(decode_attention(ex, view, q.data(), att.data(), B * dim, ap, ws, q16_));
     }
-    if (ql) {
-      for (std::int32_t b = 0; b < B; ++b) {
-        const QMatvecOut o{&ql->wo, xb.col(b).data()};
-        qmatvec(att.col(b).data(), dim, &o, 1);
-      }
-    } else {
-      matvec(W(ck_->wo(l), dim, dim), att, xb);
-    }
+    project(ql ? &ql->wo : nullptr, W(ck_->wo(l), dim, dim), att, xb);
     x += xb;
     rmsnorm(x, ck_->rms_ffn(l), xb);
     if (ql) {
@@ -410,14 +414,7 @@ Status Model::forward(const ForwardBatch& in, const PagedKVView<T>* views /* [n_
       matvec(W(ck_->w3(l), hid, dim), xb, h3);
     }
     h1 = h1.array() / (1.f + (-h1.array()).exp()) * h3.array();  // silu(w1 x) * (w3 x)
-    if (ql) {
-      for (std::int32_t b = 0; b < B; ++b) {
-        const QMatvecOut o{&ql->w2, xb.col(b).data()};
-        qmatvec(h1.col(b).data(), hid, &o, 1);
-      }
-    } else {
-      matvec(W(ck_->w2(l), dim, hid), h1, xb);
-    }
+    project(ql ? &ql->w2 : nullptr, W(ck_->w2(l), dim, hid), h1, xb);
     x += xb;
   }
   rmsnorm(x, ck_->rms_final(), xb);
