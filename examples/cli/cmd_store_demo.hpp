@@ -31,6 +31,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -62,8 +63,8 @@ struct StoreDemoOptions {
   std::int32_t max_tokens = 32;
   std::int32_t page_size = 16;
   std::int32_t threads = 1;
-  std::int32_t prefix_tokens = 0;  // llama2.c checkpoints: common prefix length (0: 272)
-  std::int32_t requests = 0;       // llama2.c checkpoints: requests sharing it (0: 4)
+  std::optional<std::int32_t> prefix_tokens;  // llama2.c checkpoints: common prefix length (272)
+  std::optional<std::int32_t> requests;       // llama2.c checkpoints: requests sharing it (4)
   bool keep = false;
   bool json = false;
 };
@@ -189,8 +190,8 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
     detail::Backend be = detail::open_backend(o.store);
     const bool text = detail::is_gguf_file(o.model);
     if (!text && !o.document.empty()) throw detail::StoreDemoUsage("--document needs a GGUF model with a tokenizer");
-    if (text && (o.prefix_tokens > 0 || o.requests > 0))
-      throw detail::StoreDemoUsage(std::string(o.prefix_tokens > 0 ? "--prefix-tokens" : "--requests") +
+    if (text && (o.prefix_tokens || o.requests))
+      throw detail::StoreDemoUsage(std::string(o.prefix_tokens ? "--prefix-tokens" : "--requests") +
                                    " sizes the token-id workload of llama2.c checkpoints; a GGUF model runs its "
                                    "--document and 4 questions");
     std::shared_ptr<const Checkpoint> ck;
@@ -215,12 +216,12 @@ inline int run_store_demo(const StoreDemoOptions& o, const std::function<int(int
       if (stop < 0) stop = tok->eos_id();
     } else {
       ck = std::make_shared<const Checkpoint>(load_checkpoint(o.model));
-      const std::int32_t prefix = o.prefix_tokens > 0 ? o.prefix_tokens : 272;
+      const std::int32_t prefix = o.prefix_tokens.value_or(272);
       if (ck->config().seq_len < prefix + 17 + o.max_tokens)
         throw detail::StoreDemoUsage("the model's seq_len " + std::to_string(ck->config().seq_len) +
                                      " cannot hold the " + std::to_string(prefix) +
                                      "-token prefix, a suffix and --max-tokens " + std::to_string(o.max_tokens));
-      w = token_workload(ck->config().vocab_size, prefix, o.requests > 0 ? o.requests : 4);
+      w = token_workload(ck->config().vocab_size, prefix, o.requests.value_or(4));
     }
     std::size_t longest = 0;
     for (const DemoRequest& r : w.requests) longest = std::max(longest, r.prompt.size());
