@@ -91,10 +91,10 @@ inline void decode_residual(const std::uint8_t* codes, std::int32_t n, float s, 
   if constexpr (Bits == 8) {
     for (std::int32_t j = 0; j < n; ++j) out[j] = s * static_cast<float>(static_cast<std::int8_t>(codes[j]));
   } else {
-    for (std::int32_t i = 0; i < n / 2; ++i) {
-      const std::int8_t b = static_cast<std::int8_t>(codes[i]);
-      out[2 * i] = s * static_cast<float>(static_cast<std::int8_t>(static_cast<std::uint8_t>(b << 4)) >> 4);
-      out[2 * i + 1] = s * static_cast<float>(b >> 4);
+    for (std::int32_t i = 0; i < n / 2; ++i) {  // (x ^ 8) - 8 sign-extends a nibble x in [0, 16)
+      const std::int32_t b = codes[i];
+      out[2 * i] = s * static_cast<float>(((b & 0xF) ^ 8) - 8);
+      out[2 * i + 1] = s * static_cast<float>(((b >> 4) ^ 8) - 8);
     }
     if (n % 2 != 0) out[n - 1] = s * static_cast<float>(residual_code(codes, n - 1, 4));
   }
