@@ -24,11 +24,13 @@
 //   out     = sum_t p_t v'_t, v'_t the V row read back as above (selected dims exact),
 // with the lse of the scaled scores (natural log; -inf when nothing is read), so
 // channel_attention merges it with the full-width window like the plain packed part.
-// Exactly the dense attention of the rows as they read back (tested against float64).
+// It is the dense attention of the rows as they read back, to float rounding (tested
+// against float64).
 //
 // Errors: bits outside {4, 8}, geometry that does not match, page or channel ids out of
-// range give a Status and nothing is written. Never allocates (stack arrays of at most
-// kMaxResidualDim floats per query head; larger head dims are kUnsupported).
+// range give a Status and nothing is written. Never allocates: the attention kernel keeps
+// its scratch on the stack (about 50 KiB per worker at the limits kMaxResidualDim and
+// kMaxResidualGroup; larger head dims or groups are kUnsupported).
 
 #include <algorithm>
 #include <cmath>
