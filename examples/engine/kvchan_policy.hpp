@@ -293,16 +293,8 @@ class KvchanPolicy : public EnginePolicy {
     // The dropped dims as the residual attention reads them: scale * code.
     const channel::ResidualView res = p.packed->residual(layer);
     const std::int64_t row = res.row(page, slot, head);
-    std::int32_t drop[channel::kMaxResidualDim];
-    for (int which = 0; which < 2; ++which) {
-      const std::int32_t r = which == 0 ? rk : rv;
-      channel::detail::dropped_channels((which == 0 ? sel_->packed_k(layer) : sel_->packed_v(layer)) + head * r, r, D,
-                                        drop);
-      const std::uint8_t* codes = which == 0 ? res.k_codes + row * res.k_bytes : res.v_codes + row * res.v_bytes;
-      float* x = which == 0 ? k : v;
-      for (std::int32_t j = 0; j < D - r; ++j)
-        x[drop[j]] = res.scales[2 * row + which] * static_cast<float>(channel::detail::residual_code(codes, j, res.bits));
-    }
+    channel::read_residual(res, row, /*values=*/false, sel_->packed_k(layer) + head * rk, rk, D, k);
+    channel::read_residual(res, row, /*values=*/true, sel_->packed_v(layer) + head * rv, rv, D, v);
   }
 
   struct SeqState {

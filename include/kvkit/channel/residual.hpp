@@ -178,6 +178,20 @@ Status check_residual_pages_args(const Exec& ex, const PagedKVView<T>& full, con
 
 }  // namespace detail
 
+/// Writes the dropped dims of residual row `row` (K, or V when `values`) into x [dim] as
+/// they read back, s * code rounded to Out; the selected dims set[0, r) (ascending) are not
+/// touched. For a host-side reader of single rows (the engine host's read_token).
+template <class Out>
+void read_residual(const ResidualView& res, std::int64_t row, bool values, const std::int32_t* set, std::int32_t r,
+                   std::int32_t dim, Out* x) {
+  std::int32_t drop[kMaxResidualDim];
+  detail::dropped_channels(set, r, dim, drop);
+  const std::uint8_t* codes = values ? res.v_codes + row * res.v_bytes : res.k_codes + row * res.k_bytes;
+  const float sc = res.scales[2 * row + (values ? 1 : 0)];
+  for (std::int32_t j = 0; j < dim - r; ++j)
+    x[drop[j]] = from_float<Out>(sc * static_cast<float>(detail::residual_code(codes, j, res.bits)));
+}
+
 /// Writes the residual of n_tokens tokens of full-width pages src_pages[i] of `full` into
 /// rows of page dst_pages[i] of `res` (the pages pack_channel_pages fills with the same
 /// pairs and sets; see the file comment). rk / rv are the packed widths (rk == full dim:
@@ -231,19 +245,12 @@ Status unpack_residual_pages(exec::Host ex, ResidualView res, PagedKVView<T> ful
                                                   n_pages, res.num_pages_total, full.num_pages_total));
   detail::for_each_page_token(ex, src_pages, dst_pages, n_pages, n_tokens, P,
                               [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
-    std::int32_t drop[kMaxResidualDim];
     for (std::int32_t h = 0; h < H; ++h) {
       const std::int64_t row = res.row(src, s, h);
-      for (int which = 0; which < 2; ++which) {
-        const bool k = which == 0;
-        const std::int32_t dim = k ? D : Dv, r = k ? rk : rv;
-        detail::dropped_channels((k ? k_channels : v_channels) + static_cast<std::int64_t>(h) * r, r, dim, drop);
-        const std::uint8_t* codes = k ? res.k_codes + row * res.k_bytes : res.v_codes + row * res.v_bytes;
-        const float sc = res.scales[2 * row + which];
-        T* x = k ? full.k_data + full.k_offset(dst, s, h) : full.v_data + full.v_offset(dst, s, h);
-        for (std::int32_t j = 0; j < dim - r; ++j)
-          x[drop[j]] = from_float<T>(sc * static_cast<float>(detail::residual_code(codes, j, res.bits)));
-      }
+      read_residual(res, row, /*values=*/false, k_channels + static_cast<std::int64_t>(h) * rk, rk, D,
+                    full.k_data + full.k_offset(dst, s, h));
+      read_residual(res, row, /*values=*/true, v_channels + static_cast<std::int64_t>(h) * rv, rv, Dv,
+                    full.v_data + full.v_offset(dst, s, h));
     }
   });
   return Status::ok();
