@@ -305,7 +305,7 @@ bool parse_args(int argc, char** argv, Options& o) {
   add_policy_options(*gen);
   gen->add_flag("--compare-full", o.compare_full,
                 "also run the full cache in lockstep, its greedy tokens teacher-forced into the policy "
-                "run, and report top1_agreement, mean_kl, max_kl (nats) over the generated steps");
+                "run, and report top1_agreement, mean_kl, median_kl, max_kl (nats) over the generated steps");
   CLI::App* chat = app.add_subcommand("chat", "interactive multi-turn chat with a GGUF model: one user turn per stdin line, the conversation's KV kept between turns");
   add_engine_options(*chat, o, false);
   add_kv_dtype_option(*chat, o);
@@ -676,6 +676,7 @@ void add_policy_json(Json& j, const EnginePolicy* policy, const Lockstep& ls) {
   if (!ls.full) return;
   j["top1_agreement"] = ls.meter.top1_agreement();
   j["mean_kl"] = ls.meter.mean_kl();
+  j["median_kl"] = ls.meter.median_kl();
   j["max_kl"] = ls.meter.max_kl();
   j["compare_steps"] = ls.meter.steps();
   j["full_kv_bytes_final"] = ls.full->kv_bytes_in_use();

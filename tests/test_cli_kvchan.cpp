@@ -278,6 +278,8 @@ TEST_CASE("kvkit generate --policy kvchan --kvchan-residual-bits 8: SmolLM2 floa
   const double saved = 1.0 - num(j, "kv_bytes_final") / num(j, "full_kv_bytes_final");
   CHECK(saved >= 0.20);
   CHECK(num(j, "mean_kl") <= 1e-3);
+  CHECK(num(j, "median_kl") <= 1e-3);  // the goal's statistic
+  CHECK(num(j, "median_kl") <= num(j, "max_kl"));
   CHECK(num(j, "top1_agreement") >= 0.99);
 }
 

@@ -28,7 +28,7 @@ const Json& find_run(const Json& sweep, const std::string& policy, int budget) {
 
 // The fields a sweep run shares with `generate --compare-full --json`.
 void check_same(const Json& run, const Json& gen) {
-  for (const char* k : {"top1_agreement", "mean_kl", "max_kl", "compare_steps", "kv_bytes_final",
+  for (const char* k : {"top1_agreement", "mean_kl", "median_kl", "max_kl", "compare_steps", "kv_bytes_final",
                         "full_kv_bytes_final", "compressions", "pages_freed", "tokens_dropped",
                         "deferred_steps"}) {
     CAPTURE(k);

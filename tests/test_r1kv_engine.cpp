@@ -427,6 +427,7 @@ TEST_CASE("fidelity against the full cache: exact while nothing is evicted", "[r
   CHECK(exact.top1_agreement() == 1.0);
   CHECK(exact.mean_kl() == 0.0);
   CHECK(exact.max_kl() == 0.0);
+  CHECK(exact.median_kl() == 0.0);
   FidelityMeter lossy;
   CHECK(run(32, 16, 200, lossy) > 0);
   CHECK(lossy.steps() == 200);
@@ -434,6 +435,27 @@ TEST_CASE("fidelity against the full cache: exact while nothing is evicted", "[r
   CHECK(lossy.top1_agreement() <= 1.0);
   CHECK(lossy.max_kl() > 0.0);
   CHECK(std::isfinite(lossy.mean_kl()));
+  CHECK(lossy.median_kl() >= 0.0);
+  CHECK(lossy.median_kl() <= lossy.max_kl());
+}
+
+TEST_CASE("FidelityMeter: median KL is the middle step's (mean of the two middle ones when even)",
+          "[r1kv_engine]") {
+  // Three steps whose KLs differ: the policy logits move further from the full ones.
+  const float full[3] = {1.f, 0.f, -1.f};
+  const float pol[4][3] = {{1.f, 0.f, -1.f}, {0.5f, 0.f, -1.f}, {0.f, 0.f, 0.f}, {-1.f, 0.f, 1.f}};
+  double kl[4];
+  for (int i = 0; i < 4; ++i) kl[i] = engine::kl_from_logits(full, pol[i], 3);
+  REQUIRE(kl[0] < kl[1]);
+  REQUIRE(kl[1] < kl[2]);
+  REQUIRE(kl[2] < kl[3]);
+  FidelityMeter m;
+  CHECK(m.median_kl() == 0.0);
+  for (int i : {2, 0, 1}) m.add(full, pol[i], 3);
+  CHECK(m.median_kl() == kl[1]);
+  m.add(full, pol[3], 3);
+  CHECK(m.median_kl() == (kl[1] + kl[2]) / 2);
+  CHECK(m.max_kl() == kl[3]);
 }
 
 TEST_CASE("compressor policy options and stats", "[r1kv_engine]") {

@@ -291,6 +291,7 @@ inline nlohmann::json sweep_run(const SweepOptions& o) {
       sweep_stats(r, policy->stats());
       r["top1_agreement"] = meter.top1_agreement();
       r["mean_kl"] = meter.mean_kl();
+      r["median_kl"] = meter.median_kl();
       r["max_kl"] = meter.max_kl();
       r["compare_steps"] = meter.steps();
       r["kv_bytes_final"] = eng.kv_bytes_in_use();

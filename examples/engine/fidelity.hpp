@@ -5,10 +5,13 @@
 //
 //   top1_agreement = fraction of steps whose argmax (lowest id on ties) is the same
 //   KL             = sum_v p_full(v) * (log p_full(v) - log p_policy(v)), in nats, with
-//                    p = softmax(logits) computed in float64; mean and max over steps.
+//                    p = softmax(logits) computed in float64; mean, median and max over
+//                    steps (the median: the middle value, the mean of the two middle ones
+//                    for an even count).
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -42,15 +45,26 @@ class FidelityMeter {
     agree_ += argmax_logit(full, vocab) == argmax_logit(policy, vocab);
     sum_kl_ += kl;
     max_kl_ = std::max(max_kl_, kl);
+    kls_.push_back(kl);
   }
   std::int64_t steps() const { return steps_; }
   double top1_agreement() const { return steps_ ? static_cast<double>(agree_) / steps_ : 1.0; }
   double mean_kl() const { return steps_ ? sum_kl_ / steps_ : 0.0; }
   double max_kl() const { return max_kl_; }
+  double median_kl() const {
+    if (kls_.empty()) return 0.0;
+    std::vector<double> v = kls_;
+    const std::size_t h = v.size() / 2;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h), v.end());
+    if (v.size() % 2 != 0) return v[h];
+    const double hi = v[h];
+    return (*std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h)) + hi) / 2;
+  }
 
  private:
   std::int64_t steps_ = 0, agree_ = 0;
   double sum_kl_ = 0, max_kl_ = 0;
+  std::vector<double> kls_;  // [steps] KL of every step (for the median)
 };
 
 }  // namespace engine
