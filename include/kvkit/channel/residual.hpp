@@ -176,6 +176,33 @@ Status check_residual_pages_args(const Exec& ex, const PagedKVView<T>& full, con
   return Status::ok();
 }
 
+/// The host checks residual_channel_attention runs on both backends: the view, the head
+/// grouping, sm_scale, q_dim against the packed widths and kMaxResidualDim, the channel
+/// sets a packed width needs, no unsupported variant, non-null outputs, and the residual's
+/// geometry against `old`.
+template <class T, class Exec>
+Status check_residual_attention_args(const Exec& ex, const PagedKVView<T>& old, const ResidualView& res,
+                                     const T* q, const T* out, const float* lse, const DecodeAttentionParams& p,
+                                     const char* op) {
+  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(old, ex));
+  const std::int32_t H = old.num_kv_heads, Dq = p.q_dim, rk = old.head_dim, rv = old.v_head_dim;
+  KVKIT_CHECK_STATUS(p.num_qo_heads >= H && H > 0 && p.num_qo_heads % H == 0, StatusCode::kInvalidArgument, op,
+                     ": num_qo_heads ", p.num_qo_heads, " is not a multiple of ", H);
+  KVKIT_CHECK_STATUS(std::isfinite(p.sm_scale) && p.sm_scale > 0.f, StatusCode::kInvalidArgument, op,
+                     ": sm_scale must be finite and > 0, got ", p.sm_scale);
+  KVKIT_CHECK_STATUS(Dq >= rk && Dq >= rv && Dq >= 1, StatusCode::kInvalidArgument, op, ": q_dim ", Dq,
+                     " below the packed widths (", rk, ", ", rv, ")");
+  KVKIT_CHECK_STATUS(Dq <= kMaxResidualDim, StatusCode::kUnsupported, op, ": unsupported head_dim ", Dq,
+                     " (at most ", kMaxResidualDim, ")");
+  KVKIT_CHECK_STATUS((p.k_channels != nullptr || rk == Dq) && (p.v_channels != nullptr || rv == Dq),
+                     StatusCode::kInvalidArgument, op, ": a packed width below q_dim needs its channel set");
+  KVKIT_CHECK_STATUS(p.page_subset == nullptr && p.page_subset_indptr == nullptr && p.scores == nullptr,
+                     StatusCode::kInvalidArgument, op, ": page subsets and scores out are not supported");
+  KVKIT_CHECK_STATUS(q != nullptr && out != nullptr && lse != nullptr, StatusCode::kInvalidArgument, op,
+                     ": q, out or lse is null");
+  return check_residual(res, H, old.page_size, old.num_pages_total, Dq - rk, Dq - rv, op);
+}
+
 }  // namespace detail
 
 /// Writes the dropped dims of residual row `row` (K, or V when `values`) into x [dim] as
@@ -270,29 +297,12 @@ Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, Resi
                                   T* out,         // [batch, Hq, q_dim]
                                   float* lse,     // [batch, Hq]
                                   const DecodeAttentionParams& p) {
-  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(old, ex));
+  KVKIT_RETURN_IF_ERROR(
+      detail::check_residual_attention_args(ex, old, res, q, out, lse, p, "residual_channel_attention"));
   const std::int32_t H = old.num_kv_heads, B = old.batch_size, Dq = p.q_dim;
-  const std::int32_t rk = old.head_dim, rv = old.v_head_dim;
-  KVKIT_CHECK_STATUS(p.num_qo_heads >= H && H > 0 && p.num_qo_heads % H == 0, StatusCode::kInvalidArgument,
-                     "residual_channel_attention: num_qo_heads ", p.num_qo_heads, " is not a multiple of ", H);
-  const std::int32_t G = p.num_qo_heads / H;
-  KVKIT_CHECK_STATUS(std::isfinite(p.sm_scale) && p.sm_scale > 0.f, StatusCode::kInvalidArgument,
-                     "residual_channel_attention: sm_scale must be finite and > 0, got ", p.sm_scale);
-  KVKIT_CHECK_STATUS(Dq >= rk && Dq >= rv && Dq >= 1, StatusCode::kInvalidArgument,
-                     "residual_channel_attention: q_dim ", Dq, " below the packed widths (", rk, ", ", rv, ")");
-  KVKIT_CHECK_STATUS(Dq <= kMaxResidualDim && G <= kMaxResidualGroup, StatusCode::kUnsupported,
-                     "residual_channel_attention: unsupported head_dim ", Dq, " or group ", G, " (at most ",
-                     kMaxResidualDim, ", ", kMaxResidualGroup, ")");
-  KVKIT_CHECK_STATUS((p.k_channels != nullptr || rk == Dq) && (p.v_channels != nullptr || rv == Dq),
-                     StatusCode::kInvalidArgument,
-                     "residual_channel_attention: a packed width below q_dim needs its channel set");
-  KVKIT_CHECK_STATUS(p.page_subset == nullptr && p.page_subset_indptr == nullptr && p.scores == nullptr,
-                     StatusCode::kInvalidArgument,
-                     "residual_channel_attention: page subsets and scores out are not supported");
-  KVKIT_CHECK_STATUS(q != nullptr && out != nullptr && lse != nullptr, StatusCode::kInvalidArgument,
-                     "residual_channel_attention: q, out or lse is null");
-  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, old.page_size, old.num_pages_total, Dq - rk, Dq - rv,
-                                               "residual_channel_attention"));
+  const std::int32_t rk = old.head_dim, rv = old.v_head_dim, G = p.num_qo_heads / H;
+  KVKIT_CHECK_STATUS(G <= kMaxResidualGroup, StatusCode::kUnsupported,
+                     "residual_channel_attention: unsupported group ", G, " (at most ", kMaxResidualGroup, ")");
   KVKIT_RETURN_IF_ERROR(kvkit::detail::check_page_table(old));
   // The sets as pack_channel_pages checks them (ids in range, ascending).
   static const std::int32_t kNone = 0;

@@ -143,6 +143,27 @@ __global__ void kvchan_unpack_kernel(PagedKVView<T> packed, PagedKVView<T> full,
 namespace channel {
 namespace detail {
 
+// The validation kernel on ex.stream: page ids of the pairs in [0, src_total) /
+// [0, dst_total), channel sets of rk / rv ids in [0, k_dim) / [0, v_dim), ascending. Shared
+// by pack and unpack and by the residual's kernels (n_pages 0: the sets alone).
+inline Status launch_channel_checks(exec::Cuda ex,
+                                    const std::int32_t* k_channels,  // [heads, rk] device
+                                    const std::int32_t* v_channels,  // [heads, rv] device
+                                    std::int32_t heads, std::int32_t rk, std::int32_t rv, std::int32_t k_dim,
+                                    std::int32_t v_dim,
+                                    const std::int32_t* src_pages,  // [n_pages] device
+                                    const std::int32_t* dst_pages,  // [n_pages] device
+                                    std::int32_t n_pages, std::int32_t src_total, std::int32_t dst_total,
+                                    const char* op) {
+  KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, op));
+  const std::int64_t items = n_pages + static_cast<std::int64_t>(heads) * (static_cast<std::int64_t>(rk) + rv);
+  cuda_detail::kvchan_pack_check_kernel<><<<cuda_detail::grid_for(items), cuda_detail::kCopyThreads, 0,
+                                             cuda_detail::stream_of(ex)>>>(
+      k_channels, v_channels, heads, rk, rv, k_dim, v_dim, src_pages, dst_pages, n_pages, src_total, dst_total,
+      ex.status);
+  return cuda_detail::launch_status(op);
+}
+
 // Host checks, then the validation kernel (shared by pack and unpack on CUDA).
 template <class T>
 Status launch_pack_checks(exec::Cuda ex, const PagedKVView<T>& full, const PagedKVView<T>& packed,
@@ -152,14 +173,9 @@ Status launch_pack_checks(exec::Cuda ex, const PagedKVView<T>& full, const Paged
                           const std::int32_t* dst_pages,   // [n_pages] device
                           std::int32_t n_pages, std::int32_t src_total, std::int32_t dst_total,
                           const char* op) {
-  KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, op));
-  const std::int64_t items = n_pages + static_cast<std::int64_t>(full.num_kv_heads) *
-                                           (static_cast<std::int64_t>(packed.head_dim) + packed.v_head_dim);
-  cuda_detail::kvchan_pack_check_kernel<><<<cuda_detail::grid_for(items), cuda_detail::kCopyThreads, 0,
-                                             cuda_detail::stream_of(ex)>>>(
-      k_channels, v_channels, full.num_kv_heads, packed.head_dim, packed.v_head_dim, full.head_dim,
-      full.v_head_dim, src_pages, dst_pages, n_pages, src_total, dst_total, ex.status);
-  return cuda_detail::launch_status(op);
+  return launch_channel_checks(ex, k_channels, v_channels, full.num_kv_heads, packed.head_dim, packed.v_head_dim,
+                               full.head_dim, full.v_head_dim, src_pages, dst_pages, n_pages, src_total, dst_total,
+                               op);
 }
 
 }  // namespace detail

@@ -198,24 +198,6 @@ __global__ void kvchan_residual_attention_kernel(PagedKVView<T> old, channel::Re
 }  // namespace cuda_detail
 
 namespace channel {
-namespace detail {
-
-// Channel-set checks on the device (the pack check kernel with no page pairs).
-inline Status launch_set_checks(exec::Cuda ex, const std::int32_t* k_channels, const std::int32_t* v_channels,
-                                std::int32_t heads, std::int32_t rk, std::int32_t rv, std::int32_t k_dim,
-                                std::int32_t v_dim, const std::int32_t* src_pages, const std::int32_t* dst_pages,
-                                std::int32_t n_pages, std::int32_t src_total, std::int32_t dst_total,
-                                const char* op) {
-  KVKIT_RETURN_IF_ERROR(cuda_detail::check_status_ptr(ex, op));
-  const std::int64_t items = n_pages + static_cast<std::int64_t>(heads) * (rk + rv);
-  cuda_detail::kvchan_pack_check_kernel<><<<cuda_detail::grid_for(items), cuda_detail::kCopyThreads, 0,
-                                             cuda_detail::stream_of(ex)>>>(
-      k_channels, v_channels, heads, rk, rv, k_dim, v_dim, src_pages, dst_pages, n_pages, src_total, dst_total,
-      ex.status);
-  return cuda_detail::launch_status(op);
-}
-
-}  // namespace detail
 
 /// CUDA twin of pack_residual_pages (channel/residual.hpp): same arguments, device
 /// pointers, on ex.stream; bytes equal to the CPU twin's.
@@ -231,7 +213,7 @@ Status pack_residual_pages(exec::Cuda ex, PagedKVView<T> full, ResidualView res,
   KVKIT_RETURN_IF_ERROR(detail::check_residual_pages_args(ex, full, res, rk, rv, n_pages, n_tokens, kOp));
   const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim;
   if (n_pages == 0) return Status::ok();
-  KVKIT_RETURN_IF_ERROR(detail::launch_set_checks(ex, k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
+  KVKIT_RETURN_IF_ERROR(detail::launch_channel_checks(ex, k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
                                                   dst_pages, n_pages, full.num_pages_total, res.num_pages_total,
                                                   kOp));
   const std::int64_t items = static_cast<std::int64_t>(n_tokens) * H * 2;
@@ -254,7 +236,7 @@ Status unpack_residual_pages(exec::Cuda ex, ResidualView res, PagedKVView<T> ful
   KVKIT_RETURN_IF_ERROR(detail::check_residual_pages_args(ex, full, res, rk, rv, n_pages, n_tokens, kOp));
   const std::int32_t H = full.num_kv_heads, D = full.head_dim, Dv = full.v_head_dim;
   if (n_pages == 0) return Status::ok();
-  KVKIT_RETURN_IF_ERROR(detail::launch_set_checks(ex, k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
+  KVKIT_RETURN_IF_ERROR(detail::launch_channel_checks(ex, k_channels, v_channels, H, rk, rv, D, Dv, src_pages,
                                                   dst_pages, n_pages, res.num_pages_total, full.num_pages_total,
                                                   kOp));
   const std::int64_t items = static_cast<std::int64_t>(n_tokens) * H * (D + Dv);
@@ -273,26 +255,11 @@ Status residual_channel_attention(exec::Cuda ex, const PagedKVView<T>& old, Resi
                                   float* lse,    // [batch, Hq] device
                                   const DecodeAttentionParams& p) {
   constexpr const char* kOp = "residual_channel_attention";
-  KVKIT_RETURN_IF_ERROR(kvkit::detail::check_view(old, ex));
+  KVKIT_RETURN_IF_ERROR(detail::check_residual_attention_args(ex, old, res, q, out, lse, p, kOp));
   const std::int32_t H = old.num_kv_heads, B = old.batch_size, Dq = p.q_dim;
   const std::int32_t rk = old.head_dim, rv = old.v_head_dim;
-  KVKIT_CHECK_STATUS(p.num_qo_heads >= H && H > 0 && p.num_qo_heads % H == 0, StatusCode::kInvalidArgument, kOp,
-                     ": num_qo_heads ", p.num_qo_heads, " is not a multiple of ", H);
-  KVKIT_CHECK_STATUS(p.sm_scale > 0.f && p.sm_scale < 3.4e38f, StatusCode::kInvalidArgument, kOp,
-                     ": sm_scale must be finite and > 0, got ", p.sm_scale);
-  KVKIT_CHECK_STATUS(Dq >= rk && Dq >= rv && Dq >= 1, StatusCode::kInvalidArgument, kOp, ": q_dim ", Dq,
-                     " below the packed widths (", rk, ", ", rv, ")");
-  KVKIT_CHECK_STATUS(Dq <= kMaxResidualDim, StatusCode::kUnsupported, kOp, ": unsupported head_dim ", Dq,
-                     " (at most ", kMaxResidualDim, ")");
-  KVKIT_CHECK_STATUS((p.k_channels != nullptr || rk == Dq) && (p.v_channels != nullptr || rv == Dq),
-                     StatusCode::kInvalidArgument, kOp, ": a packed width below q_dim needs its channel set");
-  KVKIT_CHECK_STATUS(p.page_subset == nullptr && p.page_subset_indptr == nullptr && p.scores == nullptr,
-                     StatusCode::kInvalidArgument, kOp, ": page subsets and scores out are not supported");
-  KVKIT_CHECK_STATUS(q != nullptr && out != nullptr && lse != nullptr, StatusCode::kInvalidArgument, kOp,
-                     ": q, out or lse is null");
-  KVKIT_RETURN_IF_ERROR(detail::check_residual(res, H, old.page_size, old.num_pages_total, Dq - rk, Dq - rv, kOp));
   if (B == 0) return Status::ok();
-  KVKIT_RETURN_IF_ERROR(detail::launch_set_checks(ex, p.k_channels, p.v_channels, H,
+  KVKIT_RETURN_IF_ERROR(detail::launch_channel_checks(ex, p.k_channels, p.v_channels, H,
                                                   p.k_channels != nullptr ? rk : 0, p.v_channels != nullptr ? rv : 0,
                                                   Dq, Dq, nullptr, nullptr, 0, 1, 1, kOp));
   cuda_detail::kvchan_residual_table_kernel<T><<<B < 1024 ? B : 1024, 128, 0, cuda_detail::stream_of(ex)>>>(
