@@ -40,17 +40,21 @@ class FidelityMeter {
   void add(const float* full,    // [vocab]
            const float* policy,  // [vocab]
            std::int32_t vocab) {
-    const double kl = kl_from_logits(full, policy, vocab);
-    ++steps_;
     agree_ += argmax_logit(full, vocab) == argmax_logit(policy, vocab);
-    sum_kl_ += kl;
-    max_kl_ = std::max(max_kl_, kl);
-    kls_.push_back(kl);
+    kls_.push_back(kl_from_logits(full, policy, vocab));
   }
-  std::int64_t steps() const { return steps_; }
-  double top1_agreement() const { return steps_ ? static_cast<double>(agree_) / steps_ : 1.0; }
-  double mean_kl() const { return steps_ ? sum_kl_ / steps_ : 0.0; }
-  double max_kl() const { return max_kl_; }
+  std::int64_t steps() const { return static_cast<std::int64_t>(kls_.size()); }
+  double top1_agreement() const { return kls_.empty() ? 1.0 : static_cast<double>(agree_) / steps(); }
+  double mean_kl() const {
+    double sum = 0;
+    for (double kl : kls_) sum += kl;  // in step order
+    return kls_.empty() ? 0.0 : sum / steps();
+  }
+  double max_kl() const {
+    double m = 0;
+    for (double kl : kls_) m = std::max(m, kl);
+    return m;
+  }
   double median_kl() const {
     if (kls_.empty()) return 0.0;
     std::vector<double> v = kls_;
@@ -62,9 +66,8 @@ class FidelityMeter {
   }
 
  private:
-  std::int64_t steps_ = 0, agree_ = 0;
-  double sum_kl_ = 0, max_kl_ = 0;
-  std::vector<double> kls_;  // [steps] KL of every step (for the median)
+  std::int64_t agree_ = 0;
+  std::vector<double> kls_;  // [steps] KL of every step: mean, median and max derive from it
 };
 
 }  // namespace engine

@@ -34,9 +34,9 @@
 // sequence's old tokens to full width (a full-width pool of the policy), overwrite them and
 // the window with the recomputation's K/V (restore_on_backoff, default; without it the
 // old tokens keep their selected dims, dropped K dims 0 (their mean with k_compensation),
-// dropped V dims 0 or their mean
-// with compensation, or their residual), reset the stability counters and probe again; when stable again the old tokens are re-packed
-// with the new sets. Then pack whatever left the window.
+// dropped V dims 0 or their mean with compensation, or their residual), reset the
+// stability counters and probe again; when stable again the old tokens are re-packed with
+// the new sets. Then pack whatever left the window.
 //
 // Page types: float32, float16 and bfloat16 pages (EngineOptions::kv_dtype). The policy's
 // pools hold the engine's type, so packing and unpacking stay copies; the selector's
