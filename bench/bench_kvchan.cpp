@@ -82,7 +82,7 @@ bool g_basis_only = false;  // --kvkit_basis_only: only the offline basis tables
 bool g_calib_skip_sink = false;  // --kvkit_calib_skip_sink: the selector does not observe the sink tokens
 bool g_no_vtable = false;  // --kvkit_no_vtable: skip the V-pruning table
 bool g_no_basis = false;   // --kvkit_no_basis: skip the offline basis tables
-std::vector<std::int32_t> g_resid_bits;  // --kvkit_resid_bits=4,8: only the residual table, these widths
+std::vector<std::int32_t> g_resid_bits;  // --kvkit_resid_bits=4,8: only the residual table, these widths (4, 8)
 bool g_per_layer = false;  // --kvkit_per_layer: per-layer median KL (ThinK, Centered + comp)
 
 template <class T>
@@ -825,16 +825,18 @@ std::vector<double> residual_value_errors(const Trace& t, const std::vector<std:
   return errs;
 }
 
-// KV bytes saved with K and V both packed to r exact dims plus a b-bit residual and a
-// 2-byte scale per (token, kv head), on pages of `elem` bytes per element, window W,
-// page size 16 (selector metadata not counted: it is under 0.1 % here).
-double residual_bytes_saved(const Trace& t, std::int32_t r, std::int32_t W, std::int32_t bits, std::int32_t elem) {
-  const std::int64_t P = 16, n = t.n, per_tok_full = static_cast<std::int64_t>(t.L) * t.H * 2 * t.D * elem;
+// KV bytes saved with K and V both packed to r exact dims plus their b-bit residual, on
+// pages of T, window W, page size 16: packed rows as PackedPagePool::page_bytes() counts
+// them (codes and scales); selector metadata not counted (under 0.1 % here).
+template <class T>
+double residual_bytes_saved(const Trace& t, std::int32_t r, std::int32_t W, std::int32_t bits) {
+  const std::int64_t P = 16, n = t.n, per_tok_full = static_cast<std::int64_t>(t.L) * t.H * 2 * t.D * sizeof(T);
   const std::int64_t full = (n + P - 1) / P * P * per_tok_full;
   const std::int64_t n_old = n - W >= P ? (n - W) / P * P : 0;
   const std::int64_t engine = (n - n_old + P - 1) / P * P * per_tok_full;
-  const std::int64_t row = r * elem + ((t.D - r) * bits + 7) / 8 + 2;
-  const std::int64_t packed = n_old * t.L * t.H * 2 * row;
+  const channel::PackedPagePool<T> pool(t.L, t.H, std::max(1, r), std::max(1, r), static_cast<std::int32_t>(P), bits,
+                                        t.D, t.D);
+  const std::int64_t packed = n_old / P * pool.page_bytes();
   return 1.0 - static_cast<double>(engine + packed) / static_cast<double>(full);
 }
 
@@ -852,7 +854,7 @@ void residual_tables(const std::vector<Trace>& traces, std::int32_t W) {
         if (!t.v.empty()) ve = residual_value_errors(t, cv.top(cv.v, r), r, W, bits);
         std::printf("| %s | %d | %d | %.1f%% | %d/%d | %.3g | %.3g | %.3g | %.1f%% | %.1f%% |\n", t.name.c_str(), t.n, bits,
                     pr * 100, r, t.D, quantile(kl, 0.5), quantile(kl, 0.9), quantile(ve, 0.5),
-                    100 * residual_bytes_saved(t, r, W, bits, 2), 100 * residual_bytes_saved(t, r, W, bits, 4));
+                    100 * residual_bytes_saved<half_t>(t, r, W, bits), 100 * residual_bytes_saved<float>(t, r, W, bits));
         std::fflush(stdout);
       }
   }
