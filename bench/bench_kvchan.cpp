@@ -60,6 +60,7 @@
 #include "kvkit/core/logits.hpp"
 #include "kvkit/core/thread_pool.hpp"
 #include "kvkit/kernels/cpu.hpp"
+#include "read_floor.hpp"
 #if defined(KVKIT_BENCH_KVCHAN_ENGINE)
 #include <nlohmann/json.hpp>
 
@@ -217,13 +218,27 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   return s;
 }
 
+// Args: B, S, rK, rV, mode (0 drop, 1 key compensation, 4 / 8 residual bits), dram.
+// dram 1: as many independent setups (layers) as make up dram_rotation_bytes (twice the
+// last-level cache), visited in turn, so every call reads its KV from DRAM, as a decode
+// step over a model's layers does; dram 0: one setup, its KV cache-resident after the
+// first call (6-50 MiB here).
 void BM_packed_vs_dense(benchmark::State& state) {
   const std::int32_t B = static_cast<std::int32_t>(state.range(0)), S = static_cast<std::int32_t>(state.range(1));
   const std::int32_t rk = static_cast<std::int32_t>(state.range(2)), rv = static_cast<std::int32_t>(state.range(3));
   const bool kcomp = state.range(4) == 1;  // key compensation (lse bias) on
   const std::int32_t bits = state.range(4) >= 4 ? static_cast<std::int32_t>(state.range(4)) : 0;  // residual
-  auto s = make_setup(B, g_small ? 512 : S, rk, rv, bits);
+  const bool dram = state.range(5) != 0 && !g_small;
+  std::vector<std::unique_ptr<AttnSetup>> layers;
+  layers.push_back(make_setup(B, g_small ? 512 : S, rk, rv, bits));
+  if (dram) {
+    const AttnSetup& f = *layers.front();
+    const std::size_t bytes = (f.fk.size() + f.fv.size()) * sizeof(float) + static_cast<std::size_t>(f.pool->capacity_bytes());
+    const std::size_t n = (bench::dram_rotation_bytes(std::size_t{256} << 20) + bytes - 1) / bytes;
+    while (layers.size() < std::max<std::size_t>(n, 2)) layers.push_back(make_setup(B, S, rk, rv, bits));
+  }
   const exec::Host ex{1};
+  AttnSetup* s = layers.front().get();
   auto dense = [&] {
     const Status st = paged_decode_attention(ex, s->dense_view, s->q.data(), s->out.data(), s->dense,
                                              Workspace{s->ws_dense.data(), s->ws_dense.size()});
@@ -242,11 +257,16 @@ void BM_packed_vs_dense(benchmark::State& state) {
   packed();
   double td = 0, tp = 0;
   std::int64_t n = 0;
+  const std::size_t L = layers.size();
   for (auto _ : state) {
-    // Interleaved so both see the same machine load (2 shared cores).
+    // Interleaved so both see the same machine load (2 shared cores); with several layers,
+    // the packed call reads the layer half a rotation away from the dense one (the window
+    // pages they share are then not in cache from the dense call).
+    s = layers[static_cast<std::size_t>(n) % L].get();
     const double t0 = now_s();
     dense();
     const double t1 = now_s();
+    s = layers[(static_cast<std::size_t>(n) + L / 2) % L].get();
     packed();
     const double t2 = now_s();
     td += t1 - t0;
@@ -264,6 +284,7 @@ void BM_packed_vs_dense(benchmark::State& state) {
   state.counters["ratio"] = tp / td;
   state.counters["saved"] = saved;
   state.counters["goal"] = (1 - saved) / 0.8;
+  state.counters["layers"] = static_cast<double>(L);
 }
 
 // Page pack (op 0) or unpack (op 1) on 1 thread vs 2 pool threads (the same calls and data).
@@ -1161,7 +1182,7 @@ int main(int argc, char** argv) {
                                     "/rV" + std::to_string(rr.second))
                                        .c_str(),
                                    BM_packed_vs_dense)
-          ->Args({B, 4096, rr.first, rr.second, 0})
+          ->Args({B, 4096, rr.first, rr.second, 0, 0})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   // Key compensation on (the lse bias of channel_attention), at the K-only operating points.
@@ -1170,7 +1191,7 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("kvchan_attn_kcomp/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rk) + "/rV64")
                                        .c_str(),
                                    BM_packed_vs_dense)
-          ->Args({B, 4096, rk, 64, 1})
+          ->Args({B, 4096, rk, 64, 1, 0})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   // The residual (8 / 4 bits) at its end-to-end operating points.
@@ -1181,7 +1202,18 @@ int main(int argc, char** argv) {
                                       "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
                                          .c_str(),
                                      BM_packed_vs_dense)
-            ->Args({B, 4096, r, r, bits})
+            ->Args({B, 4096, r, r, bits, 0})
+            ->UseManualTime()
+            ->Unit(benchmark::kMicrosecond);
+  // KV from DRAM (layers rotated over twice the last-level cache): dropping and the residual.
+  for (std::int64_t B : {1, 8})
+    for (int bits : {0, 8, 4})
+      for (int r : {16, 32})
+        benchmark::RegisterBenchmark(((bits == 0 ? std::string("kvchan_attn_dram") : "kvchan_attn_resid" + std::to_string(bits) + "_dram") +
+                                      "/B" + std::to_string(B) + "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
+                                         .c_str(),
+                                     BM_packed_vs_dense)
+            ->Args({B, 4096, r, r, bits, 1})
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
   for (int op : {0, 1})

@@ -74,7 +74,9 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
         const std::vector<std::int32_t> drop = complement((k ? c.kch : c.vch).data() + h * r, r, dim);
         const T* x = k ? c.fk.data() + full.k_offset(src, slot, h) : c.fv.data() + full.v_offset(src, slot, h);
         reference_row(x, drop, bits, code, s);
-        const std::int64_t row = ra.view.row(dst, slot, h);
+        // The documented layout: [page, slot, head] rows.
+        const std::int64_t row = (static_cast<std::int64_t>(dst) * c.page_size + slot) * c.heads + h;
+        CHECK(ra.view.row(dst, slot, h) == row);
         CHECK(ra.sc[static_cast<std::size_t>(2 * row + which)] == s);
         const std::uint8_t* bytes = k ? ra.kc.data() + row * ra.view.k_bytes : ra.vc.data() + row * ra.view.v_bytes;
         for (std::size_t j = 0; j < drop.size(); ++j) {
@@ -147,13 +149,18 @@ void residual_round_trips(std::mt19937_64& rng) {
 // A pool with old tokens (packed + residual) for B sequences and a full-width window;
 // channel_attention against float64 dense attention over the rows as they read back.
 template <class T>
-void check_residual_attention(std::int32_t bits, std::int32_t rk, std::int32_t rv, std::mt19937_64& rng) {
-  const std::int32_t B = 3, Hkv = 2, G = 3, Hq = Hkv * G, D = 16, P = 4;
-  const std::int32_t old_len[B] = {13, 0, 8}, win_len[B] = {5, 7, 1};
+// D, G and the old lengths choose which of the kernel's paths run: long rows give whole
+// vector chunks of exact dims and of codes (D 64: up to 3 chunks of 16 codes) besides the
+// tails, old parts past one tile of 32 tokens and off a multiple of the token step, and
+// groups of 5 and 6 a block of 4 queries plus a remainder.
+void check_residual_attention(std::int32_t bits, std::int32_t rk, std::int32_t rv, std::mt19937_64& rng,
+                              std::int32_t D = 16, std::int32_t G = 3, bool long_old = false) {
+  const std::int32_t B = 3, Hkv = 2, Hq = Hkv * G, P = 4;
+  const std::int32_t old_len[B] = {long_old ? 77 : 13, 0, long_old ? 40 : 8}, win_len[B] = {5, 7, 1};
   const std::vector<std::int32_t> ksel = test::random_sets(Hkv, D, rk, rng), vsel = test::random_sets(Hkv, D, rv, rng);
   channel::PackedPagePool<T> pool(1, Hkv, rk, rv, P, bits, D, D);
   // Full-width staging pool for every token, then packed into the pool.
-  const std::int32_t max_n = 32;
+  const std::int32_t max_n = 84;
   KVGeometry fg{Hkv, D, P, B * max_n / P, D};
   std::vector<T> fk = test::random_vector<T>(static_cast<std::size_t>(fg.num_pages) * P * Hkv * D, rng, -2.f, 2.f);
   std::vector<T> fv = test::random_vector<T>(fk.size(), rng, -2.f, 2.f);
@@ -287,6 +294,10 @@ TEMPLATE_TEST_CASE("residual attention equals dense attention over the rows as t
   KVKIT_TEST_RNG(rng);
   for (std::int32_t bits : {4, 8})
     for (auto rr : {std::pair<int, int>{4, 16}, {16, 5}, {1, 1}, {9, 12}}) check_residual_attention<TestType>(bits, rr.first, rr.second, rng);
+  // Head dim 64 (SmolLM2's), whole chunks and tails, several tiles, groups 3, 5, 6.
+  for (std::int32_t bits : {4, 8})
+    for (auto rr : {std::pair<int, int>{16, 16}, {20, 37}, {32, 64}, {64, 3}})
+      for (std::int32_t G : {3, 5, 6}) check_residual_attention<TestType>(bits, rr.first, rr.second, rng, 64, G, true);
 }
 
 TEST_CASE("residual: an empty old part gives lse -inf and zero rows", "[kvchan][residual]") {

@@ -15,6 +15,9 @@
 
 using namespace kvkit;
 using kvkit::detail::cpu::convert;
+using kvkit::detail::cpu::code_at;
+using kvkit::detail::cpu::load_codes;
+using kvkit::detail::cpu::load_codes_partial;
 using kvkit::detail::cpu::Vec;
 
 namespace {
@@ -176,4 +179,50 @@ TEST_CASE("vector exp, dot and axpy match double precision", "[simd][math]") {
     kvkit::detail::cpu::axpy(y.data(), 0.75f, b.data(), n);
     REQUIRE(test::compare_close(y.data(), wy, test::Tolerance{1e-6, 1e-6}, "axpy") == "");
   }
+}
+
+// The residual kernels' code loads (channel/residual.hpp): every lane equals the code the
+// documented layout holds, read here bit by bit, for all 256 byte values in every lane
+// position, whole vectors at every even offset and partial ones of every length; a partial
+// load reads no byte past its codes (the row ends at its last code, under ASan).
+namespace {
+template <int kBits>
+void check_code_loads(std::mt19937_64& rng) {
+  constexpr int W = Vec::kLanes;
+  const int n = 3 * W + 5;  // codes per row
+  std::vector<std::uint8_t> row(static_cast<std::size_t>((n * kBits + 7) / 8));
+  std::uniform_int_distribution<int> byte(0, 255);
+  auto documented = [&](int c) {
+    if (kBits == 8) return static_cast<int>(static_cast<std::int8_t>(row[static_cast<std::size_t>(c)]));
+    const int nib = (row[static_cast<std::size_t>(c / 2)] >> ((c % 2) * 4)) & 0xF;
+    return nib >= 8 ? nib - 16 : nib;
+  };
+  for (int round = 0; round < 256 + 16; ++round) {
+    for (std::size_t i = 0; i < row.size(); ++i)
+      row[i] = static_cast<std::uint8_t>(round < 256 ? (round + static_cast<int>(i)) & 255 : byte(rng));
+    float got[W];
+    for (int j = 0; j + W <= n; j += 2) {
+      load_codes<kBits>(row.data(), j).store(got);
+      for (int i = 0; i < W; ++i)
+        if (got[i] != static_cast<float>(documented(j + i)))
+          FAIL(kBits << "-bit code " << j + i << ": " << got[i] << " != " << documented(j + i));
+    }
+    for (int len = 1; len < W; ++len) {
+      const int j = (n - len) / 2 * 2;  // even start; the row's last codes when n - len is even
+      load_codes_partial<kBits>(row.data(), j, len).store(got);
+      for (int i = 0; i < W; ++i)
+        if (got[i] != (i < len ? static_cast<float>(documented(j + i)) : 0.f))
+          FAIL(kBits << "-bit partial load of " << len << " at " << j << ", lane " << i << ": " << got[i]);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("code loads equal the documented 4- and 8-bit layouts", "[simd][codes]") {
+  KVKIT_TEST_RNG(rng);
+  check_code_loads<8>(rng);
+  check_code_loads<4>(rng);
+  CHECK(code_at<4>(std::vector<std::uint8_t>{0x8F}.data(), 0) == -1);
+  CHECK(code_at<4>(std::vector<std::uint8_t>{0x8F}.data(), 1) == -8);
+  CHECK(code_at<8>(std::vector<std::uint8_t>{0x80}.data(), 0) == -128);
 }

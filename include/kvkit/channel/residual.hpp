@@ -29,7 +29,7 @@
 //
 // Errors: bits outside {4, 8}, geometry that does not match, page or channel ids out of
 // range give a Status and nothing is written. Never allocates: the attention kernel keeps
-// its scratch on the stack (about 50 KiB per worker at the limits kMaxResidualDim and
+// its scratch on the stack (about 40 KiB per worker at the limits kMaxResidualDim and
 // kMaxResidualGroup; larger head dims or groups are kUnsupported).
 
 #include <algorithm>
@@ -43,7 +43,9 @@
 #include "kvkit/core/error.hpp"
 #include "kvkit/core/exec.hpp"
 #include "kvkit/core/paged_kv_view.hpp"
+#include "kvkit/kernels/cpu/attention.hpp"
 #include "kvkit/kernels/cpu/parallel.hpp"
+#include "kvkit/kernels/cpu/simd.hpp"
 #include "kvkit/kernels/params.hpp"
 
 namespace kvkit {
@@ -85,21 +87,6 @@ KVKIT_HOST_DEVICE std::int32_t residual_code(const std::uint8_t* codes, std::int
   if (bits == 8) return static_cast<std::int8_t>(codes[j]);
   const std::int32_t nib = (codes[j >> 1] >> ((j & 1) * 4)) & 0xF;
   return nib >= 8 ? nib - 16 : nib;
-}
-
-/// out[j] = s * code j for j < n, Bits known at compile time so the loop vectorizes.
-template <int Bits>
-inline void decode_residual(const std::uint8_t* codes, std::int32_t n, float s, float* out) {
-  if constexpr (Bits == 8) {
-    for (std::int32_t j = 0; j < n; ++j) out[j] = s * static_cast<float>(static_cast<std::int8_t>(codes[j]));
-  } else {
-    for (std::int32_t i = 0; i < n / 2; ++i) {  // (x ^ 8) - 8 sign-extends a nibble x in [0, 16)
-      const std::int32_t b = codes[i];
-      out[2 * i] = s * static_cast<float>(((b & 0xF) ^ 8) - 8);
-      out[2 * i + 1] = s * static_cast<float>(((b >> 4) ^ 8) - 8);
-    }
-    if (n % 2 != 0) out[n - 1] = s * static_cast<float>(residual_code(codes, n - 1, 4));
-  }
 }
 
 /// The dims of [0, dim) not in the ascending set ch[0, r), ascending, into out[dim - r].
@@ -283,6 +270,204 @@ Status unpack_residual_pages(exec::Host ex, ResidualView res, PagedKVView<T> ful
   return Status::ok();
 }
 
+namespace detail {
+// The attention kernel's pieces use kernels/cpu/simd.hpp's vectors, so they live in the
+// instruction set's inline namespace like the dense kernel (attention.hpp explains why).
+inline namespace KVKIT_SIMD_NS {
+using kvkit::detail::cpu::Vec;
+
+/// Tokens per score / softmax / V tile of residual_channel_attention (a multiple of every
+/// Vec width).
+inline constexpr std::int32_t kResidualTile = 32;
+/// Tokens per step of the score and V loops (as the dense kernel's kTokensPerStep).
+inline constexpr int kResidualStep = kvkit::detail::cpu::kTokensPerStep;
+
+/// One tile's K (or V) rows: the packed part of token j (its r selected dims, type T),
+/// its code row and its scale. Row j reads back as x[j] on [0, r) and s[j] * codes on
+/// [r, r + n) in the kernel's permuted dim order (selected dims, then dropped ones).
+template <class T>
+struct ResidualRows {
+  const T* x[kResidualTile];             // [kResidualTile] rows of r elements
+  const std::uint8_t* c[kResidualTile];  // [kResidualTile] rows of codes
+  const float* s[kResidualTile];         // [kResidualTile] scales
+};
+
+/// Lanes d .. d + rest - 1 of token j's row as it reads back: exact part (d < r, chunks
+/// never straddle r) or decoded codes times the scale.
+template <int kBits, class Codes, class T>
+KVKIT_SIMD_INLINE Vec residual_chunk(const ResidualRows<T>& rows, std::int32_t j, std::int32_t d, int rest) {
+  if constexpr (!Codes::value) {
+    return rest == Vec::kLanes ? Vec::load(rows.x[j] + d) : kvkit::detail::cpu::load_partial(rows.x[j] + d, rest);
+  } else {
+    const Vec c = rest == Vec::kLanes ? kvkit::detail::cpu::load_codes<kBits>(rows.c[j], d)
+                                      : kvkit::detail::cpu::load_codes_partial<kBits>(rows.c[j], d, rest);
+    return c * Vec::set1(*rows.s[j]);
+  }
+}
+
+/// x rounded up to a multiple of Vec::kLanes.
+inline std::int32_t lanes_up(std::int32_t x) { return (x + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes; }
+
+/// Calls f(codes, d, off, rest) for the chunks of a row of r exact dims (codes:
+/// std::false_type) then n coded ones (std::true_type); d: the chunk's first dim or code,
+/// off: its position in the kernel's padded rows of q and accumulators (exact dims at 0,
+/// coded ones at lanes_up(r), so every chunk is vector aligned), rest <= Vec::kLanes lanes.
+template <class F>
+KVKIT_SIMD_INLINE void for_each_chunk(std::int32_t r, std::int32_t n, F&& f) {
+  constexpr int W = Vec::kLanes;
+  std::int32_t d = 0;
+  for (; d + W <= r; d += W) f(std::false_type{}, d, d, W);
+  if (d < r) f(std::false_type{}, d, d, static_cast<int>(r - d));
+  const std::int32_t base = lanes_up(r);
+  for (d = 0; d + W <= n; d += W) f(std::true_type{}, d, base + d, W);
+  if (d < n) f(std::true_type{}, d, base + d, static_cast<int>(n - d));
+}
+
+/// sc[g * kResidualTile + j0 + t] = q_g · (row j0 + t as it reads back) for NG queries
+/// (padded rows of q, stride dq, zero in the pads) and NT tokens; each chunk of the rows
+/// is loaded and decoded once for all NG queries.
+template <int kBits, int NG, int NT, class T>
+inline void residual_score_block(const float* q,  // [NG, dq]
+                                 std::int32_t dq, const ResidualRows<T>& rows, std::int32_t j0, std::int32_t r,
+                                 std::int32_t n, float* sc) {  // [NG, kResidualTile]
+  Vec acc[NG][NT];
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < NT; ++t) acc[g][t] = Vec::zero();
+  for_each_chunk(r, n, [&](auto codes, std::int32_t d, std::int32_t off, int rest) {
+    Vec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = residual_chunk<kBits, decltype(codes)>(rows, j0 + t, d, rest);
+    for (int g = 0; g < NG; ++g) {
+      const Vec qv = Vec::load(q + static_cast<std::size_t>(g) * dq + off);  // pads are 0
+      for (int t = 0; t < NT; ++t) acc[g][t] = Vec::fma(qv, kv[t], acc[g][t]);
+    }
+  });
+  for (int g = 0; g < NG; ++g) {
+    int t = 0;
+    for (; t + 4 <= NT; t += 4) Vec::hsum4(&acc[g][t], sc + g * kResidualTile + j0 + t);
+    for (; t < NT; ++t) sc[g * kResidualTile + j0 + t] = acc[g][t].hsum();
+  }
+}
+
+/// acc_g += sum_t p[g, j0 + t] * (V row j0 + t as it reads back) for NG accumulator rows
+/// (padded, stride dq; the pads stay 0) and NT tokens.
+template <int kBits, int NG, int NT, class T>
+inline void residual_accum_block(float* acc,  // [NG, dq]
+                                 std::int32_t dq,
+                                 const float* pr,  // [NG, kResidualTile] probabilities
+                                 const ResidualRows<T>& rows, std::int32_t j0, std::int32_t r, std::int32_t n) {
+  Vec w[NG][NT];
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < NT; ++t) w[g][t] = Vec::set1(pr[g * kResidualTile + j0 + t]);
+  for_each_chunk(r, n, [&](auto codes, std::int32_t d, std::int32_t off, int rest) {
+    Vec vv[NT];
+    for (int t = 0; t < NT; ++t) vv[t] = residual_chunk<kBits, decltype(codes)>(rows, j0 + t, d, rest);
+    for (int g = 0; g < NG; ++g) {
+      float* a = acc + static_cast<std::size_t>(g) * dq + off;
+      Vec x = Vec::load(a);
+      for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
+      x.store(a);
+    }
+  });
+}
+
+/// One (sequence, kv head) of residual_channel_attention: tiles of kResidualTile tokens,
+/// scores for the group's queries in blocks of up to 4 (one decode of a row serves them
+/// all), an online-softmax step per tile, then the probability-weighted V rows.
+template <int kBits, class T>
+void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res, const T* q, T* out, float* lse,
+                             const DecodeAttentionParams& p, std::int32_t b, std::int32_t h) {
+  const std::int32_t Dq = p.q_dim, rk = old.head_dim, rv = old.v_head_dim, G = p.num_qo_heads / old.num_kv_heads;
+  const std::int32_t nk = Dq - rk, nv = Dq - rv;
+  // Scratch (about 45 KiB at kMaxResidualGroup x kMaxResidualDim): dims are kept permuted,
+  // selected first then dropped (both ascending), for q, the accumulators and the rows;
+  // q and accumulator rows are padded so that the dropped dims start on a vector boundary
+  // ([0, r) selected, [lanes_up(r), lanes_up(r) + n) dropped, zeros between and after): every
+  // access to them is a whole aligned vector, and the zero pads meet the zero lanes of a
+  // partial row chunk.
+  constexpr std::int32_t kRow = kMaxResidualDim + 2 * Vec::kLanes;
+  const std::int32_t qw = lanes_up(rk) + lanes_up(nk), aw = lanes_up(rv) + lanes_up(nv);  // padded widths
+  std::int32_t kord[kMaxResidualDim], vord[kMaxResidualDim];  // permuted position -> dim
+  alignas(64) float qs[kMaxResidualGroup * kRow];   // [G, qw] sm_scale * q, K order
+  alignas(64) float acc[kMaxResidualGroup * kRow];  // [G, aw] unnormalised output, V order
+  alignas(64) float sc[kMaxResidualGroup * kResidualTile];  // [G, kResidualTile] scores, then weights
+  float m[kMaxResidualGroup], l[kMaxResidualGroup];
+  for (std::int32_t c = 0; c < rk; ++c) kord[c] = p.k_channels != nullptr ? p.k_channels[static_cast<std::int64_t>(h) * rk + c] : c;
+  for (std::int32_t c = 0; c < rv; ++c) vord[c] = p.v_channels != nullptr ? p.v_channels[static_cast<std::int64_t>(h) * rv + c] : c;
+  dropped_channels(kord, rk, Dq, kord + rk);
+  dropped_channels(vord, rv, Dq, vord + rv);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (std::int32_t g = 0; g < G; ++g) {
+    const T* qr = q + (static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g) * Dq;
+    float* qg = qs + g * qw;
+    std::fill(qg, qg + qw, 0.f);
+    for (std::int32_t c = 0; c < rk; ++c) qg[c] = p.sm_scale * to_float(qr[kord[c]]);
+    for (std::int32_t j = 0; j < nk; ++j) qg[lanes_up(rk) + j] = p.sm_scale * to_float(qr[kord[rk + j]]);
+    std::fill(acc + g * aw, acc + (g + 1) * aw, 0.f);
+    m[g] = ninf;
+    l[g] = 0.f;
+  }
+  // Query blocks of 4, then one block of the remaining 1-3.
+  auto by_groups = [&](auto&& f) {
+    std::int32_t g = 0;
+    for (; g + 4 <= G; g += 4) f(std::integral_constant<int, 4>{}, g);
+    if (G - g == 3) f(std::integral_constant<int, 3>{}, g);
+    if (G - g == 2) f(std::integral_constant<int, 2>{}, g);
+    if (G - g == 1) f(std::integral_constant<int, 1>{}, g);
+  };
+  constexpr int NT = kResidualStep;
+  const std::int32_t n = old.seq_len(b);
+  // Row addresses of a tile: a page walk, no division per token. (Prefetching the next
+  // tile's rows, as the dense kernel does, measured no gain here, from L3 or from DRAM.)
+  ResidualRows<T> kr, vr;
+  for (std::int32_t t0 = 0; t0 < n; t0 += kResidualTile) {
+    const std::int32_t nt = std::min(kResidualTile, n - t0);
+    std::int32_t pi = t0 / old.page_size, slot = t0 % old.page_size, page = old.page_id(b, pi);
+    for (std::int32_t j = 0; j < nt; ++j, ++slot) {
+      if (slot == old.page_size) {
+        slot = 0;
+        page = old.page_id(b, ++pi);
+      }
+      const std::int64_t row = res.row(page, slot, h);
+      kr.x[j] = old.k_data + old.k_offset(page, slot, h);
+      kr.c[j] = res.k_codes + row * res.k_bytes;
+      kr.s[j] = res.scales + 2 * row;
+      vr.x[j] = old.v_data + old.v_offset(page, slot, h);
+      vr.c[j] = res.v_codes + row * res.v_bytes;
+      vr.s[j] = res.scales + 2 * row + 1;
+    }
+    by_groups([&](auto ng, std::int32_t g0) {
+      constexpr int NG = decltype(ng)::value;
+      std::int32_t j = 0;
+      for (; j + NT <= nt; j += NT)
+        residual_score_block<kBits, NG, NT>(qs + g0 * qw, qw, kr, j, rk, nk, sc + g0 * kResidualTile);
+      for (; j < nt; ++j) residual_score_block<kBits, NG, 1>(qs + g0 * qw, qw, kr, j, rk, nk, sc + g0 * kResidualTile);
+    });
+    for (std::int32_t g = 0; g < G; ++g)
+      kvkit::detail::cpu::softmax_tile(sc + g * kResidualTile, nt, m[g], l[g], acc + g * aw, aw);
+    by_groups([&](auto ng, std::int32_t g0) {
+      constexpr int NG = decltype(ng)::value;
+      std::int32_t j = 0;
+      for (; j + NT <= nt; j += NT)
+        residual_accum_block<kBits, NG, NT>(acc + g0 * aw, aw, sc + g0 * kResidualTile, vr, j, rv, nv);
+      for (; j < nt; ++j) residual_accum_block<kBits, NG, 1>(acc + g0 * aw, aw, sc + g0 * kResidualTile, vr, j, rv, nv);
+    });
+  }
+  for (std::int32_t g = 0; g < G; ++g) {
+    const std::int64_t r = static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g;
+    T* o = out + r * Dq;
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    const float* a = acc + g * aw;
+    for (std::int32_t c = 0; c < rv; ++c) o[vord[c]] = from_float<T>(a[c] * inv);
+    for (std::int32_t j = 0; j < nv; ++j) o[vord[rv + j]] = from_float<T>(a[lanes_up(rv) + j] * inv);
+    lse[r] = l[g] > 0.f ? m[g] + std::log(l[g]) : ninf;
+  }
+}
+
+}  // namespace KVKIT_SIMD_NS
+}  // namespace detail
+
+inline namespace KVKIT_SIMD_NS {
+
 /// Decode attention over the packed pages of `old` (K rows of old.head_dim = rK dims
 /// p.k_channels[h], V rows of old.v_head_dim = rV dims p.v_channels[h], a nullptr set
 /// meaning the rows are full width) plus their residual `res` (same page ids): see the
@@ -290,7 +475,9 @@ Status unpack_residual_pages(exec::Host ex, ResidualView res, PagedKVView<T> ful
 /// for a sequence with no tokens, whose out rows are 0). Page subsets and scores out are
 /// not supported here (kInvalidArgument). Threads split the (sequence, kv head) pairs;
 /// each pair's arithmetic is sequential, so the result does not depend on the thread
-/// count. Never allocates beyond the threads of a call without an executor.
+/// count. Never allocates beyond the threads of a call without an executor. Vector code
+/// from kernels/cpu/simd.hpp: a row's codes are decoded (and scaled) once per chunk of
+/// Vec lanes for all the group's queries, never written back to memory.
 template <class T>
 Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, ResidualView res,
                                   const T* q,     // [batch, Hq, q_dim]
@@ -310,98 +497,19 @@ Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, Resi
                                                   p.v_channels != nullptr ? p.v_channels : &kNone, H,
                                                   p.k_channels != nullptr ? rk : 0, p.v_channels != nullptr ? rv : 0,
                                                   Dq, Dq, &kNone, &kNone, 0, 1, 1));
-  const float ninf = -std::numeric_limits<float>::infinity();
-  auto run = [&](auto bits_tag) {
-  constexpr int kBits = decltype(bits_tag)::value;
   kvkit::detail::parallel_for(ex, static_cast<std::int64_t>(B) * H, [&](std::int64_t ib, std::int64_t ie, int) {
-    // Dims are kept permuted, selected first then dropped (both ascending): q in that order
-    // (scaled), keys of a block of kBlock tokens transposed ([dim][token], the scale folded
-    // into the codes) so a score block is Dq vector FMAs, V rows and the accumulators in that
-    // order too; the output is scattered back to natural order once at the end.
-    constexpr std::int32_t kBlock = 16;
-    std::int32_t kord[kMaxResidualDim], vord[kMaxResidualDim];  // permuted position -> dim
-    float qs[kMaxResidualGroup][kMaxResidualDim];   // [g, Dq] sm_scale * q, K order
-    float acc[kMaxResidualGroup][kMaxResidualDim];  // [g, Dq] unnormalised output, V order
-    float kt[kMaxResidualDim][kBlock];              // [Dq, token] keys of the block, K order
-    float sc[kMaxResidualGroup][kBlock];            // [g, token] scores, then weights
-    float m[kMaxResidualGroup], l[kMaxResidualGroup], vrow[kMaxResidualDim], krow[kMaxResidualDim];
     for (std::int64_t i = ib; i < ie; ++i) {
       const std::int32_t b = static_cast<std::int32_t>(i / H), h = static_cast<std::int32_t>(i % H);
-      for (std::int32_t c = 0; c < rk; ++c) kord[c] = p.k_channels != nullptr ? p.k_channels[static_cast<std::int64_t>(h) * rk + c] : c;
-      for (std::int32_t c = 0; c < rv; ++c) vord[c] = p.v_channels != nullptr ? p.v_channels[static_cast<std::int64_t>(h) * rv + c] : c;
-      detail::dropped_channels(kord, rk, Dq, kord + rk);
-      detail::dropped_channels(vord, rv, Dq, vord + rv);
-      for (std::int32_t g = 0; g < G; ++g) {
-        const T* qr = q + (static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g) * Dq;
-        for (std::int32_t d = 0; d < Dq; ++d) qs[g][d] = p.sm_scale * to_float(qr[kord[d]]);
-        std::fill(acc[g], acc[g] + Dq, 0.f);
-        m[g] = ninf;
-        l[g] = 0.f;
-      }
-      const std::int32_t n = old.seq_len(b);
-      for (std::int32_t t0 = 0; t0 < n; t0 += kBlock) {
-        const std::int32_t nb = std::min(kBlock, n - t0);
-        for (std::int32_t j = 0; j < nb; ++j) {  // transpose the block's keys as they read back
-          const std::int32_t t = t0 + j, page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
-          const T* kr = old.k_data + old.k_offset(page, slot, h);
-          const std::int64_t row = res.row(page, slot, h);
-          const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
-          for (std::int32_t c = 0; c < rk; ++c) krow[c] = to_float(kr[c]);
-          detail::decode_residual<kBits>(kc, Dq - rk, res.scales[2 * row], krow + rk);
-          for (std::int32_t d = 0; d < Dq; ++d) kt[d][j] = krow[d];
-        }
-        for (std::int32_t j = nb; j < kBlock; ++j)
-          for (std::int32_t d = 0; d < Dq; ++d) kt[d][j] = 0.f;  // (scores of missing tokens unused)
-        for (std::int32_t g = 0; g < G; ++g) {
-          float* s = sc[g];
-          std::fill(s, s + kBlock, 0.f);
-          for (std::int32_t d = 0; d < Dq; ++d) {
-            const float qd = qs[g][d];
-            for (std::int32_t j = 0; j < kBlock; ++j) s[j] += qd * kt[d][j];
-          }
-          // Online softmax by block: rescale the running sums once when the maximum moves.
-          float bm = m[g];
-          for (std::int32_t j = 0; j < nb; ++j) bm = std::max(bm, s[j]);
-          if (bm > m[g]) {
-            const float a = m[g] == ninf ? 0.f : std::exp(m[g] - bm);
-            l[g] *= a;
-            for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] *= a;
-            m[g] = bm;
-          }
-          for (std::int32_t j = 0; j < nb; ++j) {
-            s[j] = std::exp(s[j] - m[g]);
-            l[g] += s[j];
-          }
-        }
-        for (std::int32_t j = 0; j < nb; ++j) {  // V rows as they read back, V order
-          const std::int32_t t = t0 + j, page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
-          const T* vr = old.v_data + old.v_offset(page, slot, h);
-          const std::int64_t row = res.row(page, slot, h);
-          const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
-          for (std::int32_t c = 0; c < rv; ++c) vrow[c] = to_float(vr[c]);
-          detail::decode_residual<kBits>(vc, Dq - rv, res.scales[2 * row + 1], vrow + rv);
-          for (std::int32_t g = 0; g < G; ++g) {
-            const float w = sc[g][j];
-            for (std::int32_t d = 0; d < Dq; ++d) acc[g][d] += w * vrow[d];
-          }
-        }
-      }
-      for (std::int32_t g = 0; g < G; ++g) {
-        const std::int64_t r = static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g;
-        T* o = out + r * Dq;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (std::int32_t c = 0; c < Dq; ++c) o[vord[c]] = from_float<T>(acc[g][c] * inv);
-        lse[r] = l[g] > 0.f ? m[g] + std::log(l[g]) : ninf;
-      }
+      if (res.bits == 8)
+        detail::residual_attention_item<8>(old, res, q, out, lse, p, b, h);
+      else
+        detail::residual_attention_item<4>(old, res, q, out, lse, p, b, h);
     }
   });
-  };
-  if (res.bits == 8)
-    run(std::integral_constant<int, 8>{});
-  else
-    run(std::integral_constant<int, 4>{});
   return Status::ok();
 }
+
+}  // namespace KVKIT_SIMD_NS
 
 }  // namespace channel
 }  // namespace kvkit

@@ -538,6 +538,34 @@ inline SoftmaxState state_at(float* slice, const DecodeShape& s) {
   return st;
 }
 
+/// One query's online-softmax step over a tile: sg [n] scaled logits become exp(logit -
+/// m') with m' the new running max (lanes n .. up to the next multiple of Vec::kLanes are
+/// set to -inf, so sg needs that room), l and the accumulator row acc [vdim] are rescaled
+/// when the max moves, and l gains the tile's sum.
+inline void softmax_tile(float* sg, std::int32_t n, float& m, float& l, float* acc, std::int32_t vdim) {
+  constexpr int W = Vec::kLanes;
+  const std::int32_t padded = (n + W - 1) / W * W;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (std::int32_t j = n; j < padded; ++j) sg[j] = ninf;  // exp -> 0
+  Vec mx = Vec::set1(ninf);
+  for (std::int32_t j = 0; j < padded; j += W) mx = Vec::max(mx, Vec::load(sg + j));
+  const float m_new = std::max(m, mx.hmax());
+  if (m_new > m) {
+    const float alpha = std::exp(m - m_new);  // 0 on the first tile
+    l *= alpha;
+    scale(acc, alpha, vdim);
+    m = m_new;
+  }
+  const Vec mv = Vec::set1(m_new);
+  Vec sum = Vec::zero();
+  for (std::int32_t j = 0; j < padded; j += W) {
+    const Vec e = vexp(Vec::load(sg + j) - mv);
+    e.store(sg + j);
+    sum = sum + e;
+  }
+  l += sum.hsum();
+}
+
 /// The per-tile update: scores, softmax rescale, V accumulation, for all G queries, while
 /// the K rows of next_k (during the scores) and the V rows of next_v (during the V pass)
 /// are prefetched. `scores_row(g)` is where query g's scaled logits go (nullptr: not
@@ -586,7 +614,6 @@ void decode_tile(const SoftmaxState& st, const Tile<T>& tile, Upcoming<T> next_k
   }
 
   const std::int32_t padded = (n + W - 1) / W * W;  // <= kDecodeTile
-  const float ninf = -std::numeric_limits<float>::infinity();
   for (g = 0; g < G; ++g) {
     float* sg = st.sc + g * kDecodeTile;
     if (s.bf16_dot) {  // unscaled q·k: apply sm_scale (lanes past n are reset below)
@@ -595,24 +622,7 @@ void decode_tile(const SoftmaxState& st, const Tile<T>& tile, Upcoming<T> next_k
     }
     if (float* out = scores_row(g))
       for (std::int32_t j = 0; j < n; ++j) out[tile.tok[j]] = sg[j];
-    for (std::int32_t j = n; j < padded; ++j) sg[j] = ninf;  // exp -> 0
-    Vec mx = Vec::set1(ninf);
-    for (std::int32_t j = 0; j < padded; j += W) mx = Vec::max(mx, Vec::load(sg + j));
-    const float m_new = std::max(st.m[g], mx.hmax());
-    if (m_new > st.m[g]) {
-      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first tile
-      st.l[g] *= alpha;
-      scale(st.acc + static_cast<std::size_t>(g) * s.vdim, alpha, s.vdim);
-      st.m[g] = m_new;
-    }
-    const Vec mv = Vec::set1(m_new);
-    Vec sum = Vec::zero();
-    for (std::int32_t j = 0; j < padded; j += W) {
-      const Vec e = vexp(Vec::load(sg + j) - mv);
-      e.store(sg + j);
-      sum = sum + e;
-    }
-    st.l[g] += sum.hsum();
+    softmax_tile(sg, n, st.m[g], st.l[g], st.acc + static_cast<std::size_t>(g) * s.vdim, s.vdim);
   }
 
   g = 0;

@@ -439,6 +439,63 @@ inline void scale(float* y,  // [n]
   for (; d < n; ++d) y[d] *= alpha;
 }
 
+/// Code c of a row of signed kBits-bit codes (8: one int8 per code; 4: code c in the low
+/// nibble of byte c / 2 when c is even, the high nibble when odd, two's complement).
+template <int kBits>
+inline std::int32_t code_at(const std::uint8_t* row, std::int32_t c) {
+  static_assert(kBits == 4 || kBits == 8, "4- or 8-bit codes");
+  if constexpr (kBits == 8) {
+    return static_cast<std::int8_t>(row[c]);
+  } else {
+    return (((row[c >> 1] >> ((c & 1) * 4)) & 0xF) ^ 8) - 8;  // (x ^ 8) - 8 sign-extends a nibble
+  }
+}
+
+/// Codes j .. j + n - 1 of a code row (code_at's layout) as float lanes, the rest 0;
+/// reads no byte past those codes. n < Vec::kLanes: the tail of a row.
+template <int kBits>
+inline Vec load_codes_partial(const std::uint8_t* row, std::int32_t j, int n) {
+  float buf[Vec::kLanes] = {};
+  for (int i = 0; i < n; ++i) buf[i] = static_cast<float>(code_at<kBits>(row, j + i));
+  return Vec::load(buf);
+}
+
+/// Codes j .. j + Vec::kLanes - 1 of a code row (code_at's layout) as float lanes, j even;
+/// reads exactly the bytes of those codes. Vector paths sign-extend in registers
+/// (nibbles: split, interleave, (x ^ 8) - 8).
+template <int kBits>
+inline Vec load_codes(const std::uint8_t* row, std::int32_t j) {
+  static_assert(kBits == 4 || kBits == 8, "4- or 8-bit codes");
+#if defined(KVKIT_SIMD_AVX512) || defined(KVKIT_SIMD_AVX2)
+  __m128i b;  // the codes as int8 lanes (16 for AVX-512, 8 for AVX2)
+  if constexpr (kBits == 8) {
+#if defined(KVKIT_SIMD_AVX512)
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+#else
+    b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j));
+#endif
+  } else {
+#if defined(KVKIT_SIMD_AVX512)
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j / 2));  // 8 bytes
+#else
+    std::int32_t w;
+    std::memcpy(&w, row + j / 2, sizeof w);  // 4 bytes
+    const __m128i x = _mm_cvtsi32_si128(w);
+#endif
+    const __m128i m = _mm_set1_epi8(0x0F), e = _mm_set1_epi8(8);
+    const __m128i u = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    b = _mm_sub_epi8(_mm_xor_si128(u, e), e);
+  }
+#if defined(KVKIT_SIMD_AVX512)
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
+#else
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))};
+#endif
+#else
+  return load_codes_partial<kBits>(row, j, Vec::kLanes);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // Exact array conversions (bit for bit the scalar converters of core/dtype.hpp).
 
