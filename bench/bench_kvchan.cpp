@@ -108,24 +108,28 @@ double now_s() {
 
 // ---- 1. timing ------------------------------------------------------------------------
 
+// T: the page element type (float, or half_t: the end-to-end runs' float16 pages).
+template <class T>
 struct AttnSetup {
   std::int32_t B, Hkv, G, D, S, W, P, rk, rv;
-  std::vector<float> fk, fv;          // full-width pool (dense: all S tokens)
+  std::vector<T> fk, fv;              // full-width pool (dense: all S tokens)
   std::vector<std::int32_t> f_indptr, f_indices, f_last;
-  std::unique_ptr<channel::PackedPagePool<float>> pool;  // old tokens packed
+  std::unique_ptr<channel::PackedPagePool<T>> pool;  // old tokens packed
   std::vector<std::int32_t> o_indptr, o_indices, o_last;
   std::vector<std::int32_t> w_indptr, w_indices, w_last;  // window pages (in the full pool)
   std::vector<std::int32_t> ksel, vsel;
-  std::vector<float> q, out, kfill;  // kfill: [B, Hkv, D] key compensation means (0 on kept dims)
-  PagedKVView<float> dense_view, window_view, old_view;
+  std::vector<T> q, out;
+  std::vector<float> kfill;  // [B, Hkv, D] key compensation means (0 on kept dims)
+  PagedKVView<T> dense_view, window_view, old_view;
   DecodeAttentionParams dense{}, packed{};
   std::vector<unsigned char> ws_dense, ws_packed;
 };
 
 // bits 4 or 8: the packed pool also keeps the dropped dims as a residual (residual.hpp).
-std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32_t rk, std::int32_t rv,
-                                      std::int32_t bits = 0) {
-  auto s = std::make_unique<AttnSetup>();
+template <class T>
+std::unique_ptr<AttnSetup<T>> make_setup(std::int32_t B, std::int32_t S, std::int32_t rk, std::int32_t rv,
+                                         std::int32_t bits = 0) {
+  auto s = std::make_unique<AttnSetup<T>>();
   s->B = B, s->Hkv = 3, s->G = 3, s->D = 64, s->S = S, s->W = 128, s->P = 16, s->rk = rk, s->rv = rv;
   const std::int32_t P = s->P, D = s->D, H = s->Hkv;
   const std::int32_t pages_per = (S + P - 1) / P, old = (S - s->W) / P * P, opages = old / P;
@@ -135,12 +139,12 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   std::normal_distribution<float> nd(0.f, 1.f);
   s->fk.resize(static_cast<std::size_t>(st.page) * g.num_pages);
   s->fv.resize(s->fk.size());
-  for (float& x : s->fk) x = nd(rng);
-  for (float& x : s->fv) x = nd(rng);
+  for (T& x : s->fk) x = from_float<T>(nd(rng));
+  for (T& x : s->fv) x = from_float<T>(nd(rng));
   std::vector<std::int32_t> perm(static_cast<std::size_t>(g.num_pages));
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
-  s->pool = std::make_unique<channel::PackedPagePool<float>>(1, H, rk, rv, P, bits, D, D);
+  s->pool = std::make_unique<channel::PackedPagePool<T>>(1, H, rk, rv, P, bits, D, D);
   for (std::int32_t h = 0; h < H; ++h) {
     std::vector<std::int32_t> a(static_cast<std::size_t>(D));
     std::iota(a.begin(), a.end(), 0);
@@ -166,8 +170,8 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
         dst_pages.push_back(pp);
         for (std::int32_t t = 0; t < P; ++t)
           for (std::int32_t h = 0; h < H; ++h) {
-            const float* kr = s->fk.data() + page * st.page + t * st.token + h * st.head;
-            const float* vr = s->fv.data() + page * st.page + t * st.token + h * st.head;
+            const T* kr = s->fk.data() + page * st.page + t * st.token + h * st.head;
+            const T* vr = s->fv.data() + page * st.page + t * st.token + h * st.head;
             channel::pack_channels(kr, 0, s->ksel.data() + h * rk, rk, 1, s->pool->k_row(0, pp, t, h), 0);
             channel::pack_channels(vr, 0, s->vsel.data() + h * rv, rv, 1, s->pool->v_row(0, pp, t, h), 0);
           }
@@ -184,7 +188,7 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   }
   if (bits != 0) {
     static const std::int32_t kZero[1] = {0};
-    const PagedKVView<float> store =
+    const PagedKVView<T> store =
         make_csr_view(g, s->fk.data(), st, s->fv.data(), st, CsrPageTable{kZero, nullptr, nullptr, 0});
     const Status rs = channel::pack_residual_pages(exec::Host{1}, store, s->pool->residual(0), s->ksel.data(),
                                                    s->vsel.data(), rk, rv, src_pages.data(), dst_pages.data(),
@@ -204,7 +208,7 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   if (rv < D) s->packed.v_channels = s->vsel.data();
   s->packed.q_dim = D;
   s->q.resize(static_cast<std::size_t>(B) * H * s->G * D);
-  for (float& x : s->q) x = nd(rng);
+  for (T& x : s->q) x = from_float<T>(nd(rng));
   s->kfill.assign(static_cast<std::size_t>(B) * H * D, 0.f);
   for (std::int32_t b = 0; b < B; ++b)
     for (std::int32_t h = 0; h < H; ++h)
@@ -218,27 +222,29 @@ std::unique_ptr<AttnSetup> make_setup(std::int32_t B, std::int32_t S, std::int32
   return s;
 }
 
-// Args: B, S, rK, rV, mode (0 drop, 1 key compensation, 4 / 8 residual bits), dram.
+// Args: B, S, rK, rV, mode (0 drop, 1 key compensation, 4 / 8 residual bits), dram, and
+// (optional) 1 for half_t pages (default float).
 // dram 1: as many independent setups (layers) as make up dram_rotation_bytes (twice the
 // last-level cache), visited in turn, so every call reads its KV from DRAM, as a decode
 // step over a model's layers does; dram 0: one setup, its KV cache-resident after the
 // first call (6-50 MiB here).
-void BM_packed_vs_dense(benchmark::State& state) {
+template <class T>
+void packed_vs_dense(benchmark::State& state) {
   const std::int32_t B = static_cast<std::int32_t>(state.range(0)), S = static_cast<std::int32_t>(state.range(1));
   const std::int32_t rk = static_cast<std::int32_t>(state.range(2)), rv = static_cast<std::int32_t>(state.range(3));
   const bool kcomp = state.range(4) == 1;  // key compensation (lse bias) on
   const std::int32_t bits = state.range(4) >= 4 ? static_cast<std::int32_t>(state.range(4)) : 0;  // residual
   const bool dram = state.range(5) != 0 && !g_small;
-  std::vector<std::unique_ptr<AttnSetup>> layers;
-  layers.push_back(make_setup(B, g_small ? 512 : S, rk, rv, bits));
+  std::vector<std::unique_ptr<AttnSetup<T>>> layers;
+  layers.push_back(make_setup<T>(B, g_small ? 512 : S, rk, rv, bits));
   if (dram) {
-    const AttnSetup& f = *layers.front();
-    const std::size_t bytes = (f.fk.size() + f.fv.size()) * sizeof(float) + static_cast<std::size_t>(f.pool->capacity_bytes());
+    const AttnSetup<T>& f = *layers.front();
+    const std::size_t bytes = (f.fk.size() + f.fv.size()) * sizeof(T) + static_cast<std::size_t>(f.pool->capacity_bytes());
     const std::size_t n = (bench::dram_rotation_bytes(std::size_t{256} << 20) + bytes - 1) / bytes;
-    while (layers.size() < std::max<std::size_t>(n, 2)) layers.push_back(make_setup(B, S, rk, rv, bits));
+    while (layers.size() < std::max<std::size_t>(n, 2)) layers.push_back(make_setup<T>(B, S, rk, rv, bits));
   }
   const exec::Host ex{1};
-  AttnSetup* s = layers.front().get();
+  AttnSetup<T>* s = layers.front().get();
   auto dense = [&] {
     const Status st = paged_decode_attention(ex, s->dense_view, s->q.data(), s->out.data(), s->dense,
                                              Workspace{s->ws_dense.data(), s->ws_dense.size()});
@@ -277,7 +283,7 @@ void BM_packed_vs_dense(benchmark::State& state) {
   const double S_ = s->S, W = s->W, D = s->D;
   const double old = std::floor((S_ - W) / s->P) * s->P;
   // Bytes per old token and kv head: the packed pool's page bytes (residual included).
-  const double old_row = static_cast<double>(s->pool->page_bytes()) / (s->P * s->Hkv * sizeof(float));
+  const double old_row = static_cast<double>(s->pool->page_bytes()) / (s->P * s->Hkv * sizeof(T));
   const double saved = 1.0 - (old * old_row + (S_ - old) * 2 * D) / (S_ * 2 * D);
   state.counters["dense_us"] = 1e6 * td / static_cast<double>(n);
   state.counters["packed_us"] = 1e6 * tp / static_cast<double>(n);
@@ -285,6 +291,13 @@ void BM_packed_vs_dense(benchmark::State& state) {
   state.counters["saved"] = saved;
   state.counters["goal"] = (1 - saved) / 0.8;
   state.counters["layers"] = static_cast<double>(L);
+}
+
+void BM_packed_vs_dense(benchmark::State& state) {
+  if (state.range(6) == 1)
+    packed_vs_dense<half_t>(state);
+  else
+    packed_vs_dense<float>(state);
 }
 
 // Page pack (op 0) or unpack (op 1) on 1 thread vs 2 pool threads (the same calls and data).
@@ -1182,7 +1195,7 @@ int main(int argc, char** argv) {
                                     "/rV" + std::to_string(rr.second))
                                        .c_str(),
                                    BM_packed_vs_dense)
-          ->Args({B, 4096, rr.first, rr.second, 0, 0})
+          ->Args({B, 4096, rr.first, rr.second, 0, 0, 0})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   // Key compensation on (the lse bias of channel_attention), at the K-only operating points.
@@ -1191,7 +1204,7 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("kvchan_attn_kcomp/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rk) + "/rV64")
                                        .c_str(),
                                    BM_packed_vs_dense)
-          ->Args({B, 4096, rk, 64, 1, 0})
+          ->Args({B, 4096, rk, 64, 1, 0, 0})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
   // The residual (8 / 4 bits) at its end-to-end operating points.
@@ -1202,7 +1215,7 @@ int main(int argc, char** argv) {
                                       "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
                                          .c_str(),
                                      BM_packed_vs_dense)
-            ->Args({B, 4096, r, r, bits, 0})
+            ->Args({B, 4096, r, r, bits, 0, 0})
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
   // KV from DRAM (layers rotated over twice the last-level cache): dropping and the residual.
@@ -1213,7 +1226,18 @@ int main(int argc, char** argv) {
                                       "/B" + std::to_string(B) + "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
                                          .c_str(),
                                      BM_packed_vs_dense)
-            ->Args({B, 4096, r, r, bits, 1})
+            ->Args({B, 4096, r, r, bits, 1, 0})
+            ->UseManualTime()
+            ->Unit(benchmark::kMicrosecond);
+  // float16 pages (the end-to-end runs' type), B 8, from L3 and from DRAM.
+  for (int dram : {0, 1})
+    for (int bits : {0, 8, 4})
+      for (int r : {16, 32})
+        benchmark::RegisterBenchmark(((bits == 0 ? std::string("kvchan_attn") : "kvchan_attn_resid" + std::to_string(bits)) +
+                                      (dram ? "_dram" : "") + "_f16/B8/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
+                                         .c_str(),
+                                     BM_packed_vs_dense)
+            ->Args({8, 4096, r, r, bits, dram, 1})
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
   for (int op : {0, 1})
