@@ -1189,57 +1189,36 @@ int main(int argc, char** argv) {
     else rest.push_back(argv[i]);
   }
   if (fidelity) return run_fidelity(models, W, steps, kind, max_prompts);
+  // One attention benchmark: mode 0 drop, 1 key compensation, 4 / 8 residual bits (the
+  // name's family), dram (_dram), f16 (_f16 pages); see packed_vs_dense for the args.
+  auto attn = [](std::int64_t B, int rk, int rv, int mode, int dram, int f16) {
+    const std::string family = mode == 1   ? std::string("kvchan_attn_kcomp")
+                               : mode == 0 ? std::string("kvchan_attn")
+                                           : "kvchan_attn_resid" + std::to_string(mode);
+    const std::string name = family + (dram ? "_dram" : "") + (f16 ? "_f16" : "") + "/B" + std::to_string(B) +
+                             "/S4096/rK" + std::to_string(rk) + "/rV" + std::to_string(rv);
+    benchmark::RegisterBenchmark(name.c_str(), BM_packed_vs_dense)
+        ->Args({B, 4096, rk, rv, mode, dram, f16})
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  };
   for (std::int64_t B : {1, 8})
-    for (auto rr : {std::pair<int, int>{32, 64}, {16, 64}, {32, 32}, {16, 32}, {48, 48}})
-      benchmark::RegisterBenchmark(("kvchan_attn/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rr.first) +
-                                    "/rV" + std::to_string(rr.second))
-                                       .c_str(),
-                                   BM_packed_vs_dense)
-          ->Args({B, 4096, rr.first, rr.second, 0, 0, 0})
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
+    for (auto rr : {std::pair<int, int>{32, 64}, {16, 64}, {32, 32}, {16, 32}, {48, 48}}) attn(B, rr.first, rr.second, 0, 0, 0);
   // Key compensation on (the lse bias of channel_attention), at the K-only operating points.
   for (std::int64_t B : {1, 8})
-    for (int rk : {48, 40, 32})
-      benchmark::RegisterBenchmark(("kvchan_attn_kcomp/B" + std::to_string(B) + "/S4096/rK" + std::to_string(rk) + "/rV64")
-                                       .c_str(),
-                                   BM_packed_vs_dense)
-          ->Args({B, 4096, rk, 64, 1, 0, 0})
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
+    for (int rk : {48, 40, 32}) attn(B, rk, 64, 1, 0, 0);
   // The residual (8 / 4 bits) at its end-to-end operating points.
   for (std::int64_t B : {1, 8})
     for (int bits : {8, 4})
-      for (int r : {16, 32})
-        benchmark::RegisterBenchmark(("kvchan_attn_resid" + std::to_string(bits) + "/B" + std::to_string(B) +
-                                      "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
-                                         .c_str(),
-                                     BM_packed_vs_dense)
-            ->Args({B, 4096, r, r, bits, 0, 0})
-            ->UseManualTime()
-            ->Unit(benchmark::kMicrosecond);
+      for (int r : {16, 32}) attn(B, r, r, bits, 0, 0);
   // KV from DRAM (layers rotated over twice the last-level cache): dropping and the residual.
   for (std::int64_t B : {1, 8})
     for (int bits : {0, 8, 4})
-      for (int r : {16, 32})
-        benchmark::RegisterBenchmark(((bits == 0 ? std::string("kvchan_attn_dram") : "kvchan_attn_resid" + std::to_string(bits) + "_dram") +
-                                      "/B" + std::to_string(B) + "/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
-                                         .c_str(),
-                                     BM_packed_vs_dense)
-            ->Args({B, 4096, r, r, bits, 1, 0})
-            ->UseManualTime()
-            ->Unit(benchmark::kMicrosecond);
+      for (int r : {16, 32}) attn(B, r, r, bits, 1, 0);
   // float16 pages (the end-to-end runs' type), B 8, from L3 and from DRAM.
   for (int dram : {0, 1})
     for (int bits : {0, 8, 4})
-      for (int r : {16, 32})
-        benchmark::RegisterBenchmark(((bits == 0 ? std::string("kvchan_attn") : "kvchan_attn_resid" + std::to_string(bits)) +
-                                      (dram ? "_dram" : "") + "_f16/B8/S4096/rK" + std::to_string(r) + "/rV" + std::to_string(r))
-                                         .c_str(),
-                                     BM_packed_vs_dense)
-            ->Args({8, 4096, r, r, bits, dram, 1})
-            ->UseManualTime()
-            ->Unit(benchmark::kMicrosecond);
+      for (int r : {16, 32}) attn(8, r, r, bits, dram, 1);
   for (int op : {0, 1})
     for (auto rr : {std::pair<int, int>{32, 64}, {16, 32}})
       benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + (g_small ? "/T512/rK" : "/T4096/rK") +

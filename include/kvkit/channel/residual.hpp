@@ -29,7 +29,7 @@
 //
 // Errors: bits outside {4, 8}, geometry that does not match, page or channel ids out of
 // range give a Status and nothing is written. Never allocates: the attention kernel keeps
-// its scratch on the stack (about 40 KiB per worker at the limits kMaxResidualDim and
+// its scratch on the stack (about 42 KiB per worker at the limits kMaxResidualDim and
 // kMaxResidualGroup; larger head dims or groups are kUnsupported).
 
 #include <algorithm>
@@ -378,7 +378,7 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
                              const DecodeAttentionParams& p, std::int32_t b, std::int32_t h) {
   const std::int32_t Dq = p.q_dim, rk = old.head_dim, rv = old.v_head_dim, G = p.num_qo_heads / old.num_kv_heads;
   const std::int32_t nk = Dq - rk, nv = Dq - rv;
-  // Scratch (about 45 KiB at kMaxResidualGroup x kMaxResidualDim): dims are kept permuted,
+  // Scratch (about 42 KiB at kMaxResidualGroup x kMaxResidualDim): dims are kept permuted,
   // selected first then dropped (both ascending), for q, the accumulators and the rows;
   // q and accumulator rows are padded so that the dropped dims start on a vector boundary
   // ([0, r) selected, [lanes_up(r), lanes_up(r) + n) dropped, zeros between and after): every
