@@ -223,7 +223,7 @@ std::unique_ptr<AttnSetup<T>> make_setup(std::int32_t B, std::int32_t S, std::in
 }
 
 // Args: B, S, rK, rV, mode (0 drop, 1 key compensation, 4 / 8 residual bits), dram, and
-// (optional) 1 for half_t pages (default float).
+// the page type (0 float, 1 half_t, 2 bfloat16_t).
 // dram 1: as many independent setups (layers) as make up dram_rotation_bytes (twice the
 // last-level cache), visited in turn, so every call reads its KV from DRAM, as a decode
 // step over a model's layers does; dram 0: one setup, its KV cache-resident after the
@@ -296,6 +296,8 @@ void packed_vs_dense(benchmark::State& state) {
 void BM_packed_vs_dense(benchmark::State& state) {
   if (state.range(6) == 1)
     packed_vs_dense<half_t>(state);
+  else if (state.range(6) == 2)
+    packed_vs_dense<bfloat16_t>(state);
   else
     packed_vs_dense<float>(state);
 }
@@ -1190,15 +1192,16 @@ int main(int argc, char** argv) {
   }
   if (fidelity) return run_fidelity(models, W, steps, kind, max_prompts);
   // One attention benchmark: mode 0 drop, 1 key compensation, 4 / 8 residual bits (the
-  // name's family), dram (_dram), f16 (_f16 pages); see packed_vs_dense for the args.
-  auto attn = [](std::int64_t B, int rk, int rv, int mode, int dram, int f16) {
+  // name's family), dram (_dram), dtype (1: _f16, 2: _bf16 pages); see packed_vs_dense.
+  auto attn = [](std::int64_t B, int rk, int rv, int mode, int dram, int dtype) {
     const std::string family = mode == 1   ? std::string("kvchan_attn_kcomp")
                                : mode == 0 ? std::string("kvchan_attn")
                                            : "kvchan_attn_resid" + std::to_string(mode);
-    const std::string name = family + (dram ? "_dram" : "") + (f16 ? "_f16" : "") + "/B" + std::to_string(B) +
+    const std::string name = family + (dram ? "_dram" : "") + (dtype == 1 ? "_f16" : dtype == 2 ? "_bf16" : "") +
+                             "/B" + std::to_string(B) +
                              "/S4096/rK" + std::to_string(rk) + "/rV" + std::to_string(rv);
     benchmark::RegisterBenchmark(name.c_str(), BM_packed_vs_dense)
-        ->Args({B, 4096, rk, rv, mode, dram, f16})
+        ->Args({B, 4096, rk, rv, mode, dram, dtype})
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   };
@@ -1215,10 +1218,11 @@ int main(int argc, char** argv) {
   for (std::int64_t B : {1, 8})
     for (int bits : {0, 8, 4})
       for (int r : {16, 32}) attn(B, r, r, bits, 1, 0);
-  // float16 pages (the end-to-end runs' type), B 8, from L3 and from DRAM.
-  for (int dram : {0, 1})
-    for (int bits : {0, 8, 4})
-      for (int r : {16, 32}) attn(8, r, r, bits, dram, 1);
+  // float16 pages (the end-to-end runs' type), then bfloat16 pages, B 8, from L3 and DRAM.
+  for (int dtype : {1, 2})
+    for (int dram : {0, 1})
+      for (int bits : {0, 8, 4})
+        for (int r : {16, 32}) attn(8, r, r, bits, dram, dtype);
   for (int op : {0, 1})
     for (auto rr : {std::pair<int, int>{32, 64}, {16, 32}})
       benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + (g_small ? "/T512/rK" : "/T4096/rK") +

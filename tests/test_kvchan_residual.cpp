@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -235,6 +236,18 @@ void check_residual_attention(std::int32_t bits, std::int32_t rk, std::int32_t r
   REQUIRE(channel::channel_attention(ex, wview, oview, pool.residual(0), q.data(), out.data(), dense, pk,
                                      Workspace{scratch.data(), scratch.size()})
               .is_ok());
+  // The result does not depend on the thread count (documented): bitwise equal outputs
+  // with 1 thread and with more threads than (sequence, kv head) pairs.
+  for (std::int32_t threads : {1, 6}) {
+    const exec::Host ex_t{threads};
+    std::vector<unsigned char> ws_t(channel::channel_attention_workspace_size(ex_t, wview, oview, dense, pk));
+    std::vector<T> out_t(out.size());
+    REQUIRE(channel::channel_attention(ex_t, wview, oview, pool.residual(0), q.data(), out_t.data(), dense, pk,
+                                       Workspace{ws_t.data(), ws_t.size()})
+                .is_ok());
+    INFO("threads " << threads);
+    CHECK(std::memcmp(out_t.data(), out.data(), sizeof(T) * out.size()) == 0);
+  }
   // float64 reference: old rows as they read back (selected exact, dropped s * code).
   std::vector<std::int32_t> code;
   float s = 0.f;
