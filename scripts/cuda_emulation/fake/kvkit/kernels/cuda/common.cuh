@@ -61,6 +61,8 @@ V __shfl_xor_sync(unsigned mask, V v, int off) {
   std::memcpy(&o, &bits, sizeof(V));
   return o;
 }
+// IEEE division, round to nearest (kvchan_residual.cuh): the host's float division.
+inline float __fdiv_rn(float a, float b) { return a / b; }
 // Shared-memory atomics of the radix cut (eps.cuh).
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 #define __global__
@@ -100,7 +102,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& body) {
 }  // namespace emu
 
 namespace kvkit {
-enum class DeviceCheck : std::int32_t { kNone = 0, kIndptr, kNullTable, kLastPageLen, kSeqTooLong, kSeqLenNegative, kRowTooShort, kPageId, kNonFiniteScore, kSummaryTokens, kSummaryRepeated };
+enum class DeviceCheck : std::int32_t { kNone = 0, kIndptr, kNullTable, kLastPageLen, kSeqTooLong, kSeqLenNegative, kRowTooShort, kPageId, kNonFiniteScore, kSummaryTokens, kSummaryRepeated, kSrcPage, kDstPage, kPackChannel, kPackChannelOrder };
 struct DeviceStatus {
   std::int32_t code = 0, check = 0;
   std::int64_t value = 0, pos = -1, seq = -1, head = -1, bound = 0;
@@ -124,6 +126,8 @@ inline bool block_failed(const DeviceStatus* st) {
 inline float load_float(float x) { return x; }
 inline float load_float(half_t x) { return to_float(x); }
 inline float load_float(bfloat16_t x) { return to_float(x); }
+// Round to nearest even, as __float2half_rn / __float2bfloat16_rn (kvchan_residual.cuh).
+template <class T> inline T store_float(float x) { return from_float<T>(x); }
 inline Status check_status_ptr(exec::Cuda ex, const char* op) {
   KVKIT_CHECK_STATUS(ex.status != nullptr, StatusCode::kInvalidArgument, op, ": no status");
   return Status::ok();
