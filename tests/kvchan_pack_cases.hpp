@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kvkit/channel/pack_pages.hpp"
@@ -113,6 +114,20 @@ struct ResidualCase {
     view = {kc.data(), vc.data(), sc.data(), bits, kb, vb, page_size, heads, pages};
   }
 };
+
+/// The residual parity cases the CUDA test (cuda/test_kvchan_residual_cuda.cu) and the host
+/// emulation (scripts/cuda_emulation/emulate_kvchan_cuda.cpp) both run: f(case, bits) for 4
+/// and 8 bits, NHD and HND full pools, channel counts from 1 dim to the full width, 3 heads
+/// of 16 dims, pages of 4, 1-40 tokens.
+template <class T, class F>
+void for_each_residual_parity_case(std::mt19937_64& rng, F&& f) {
+  for (std::int32_t bits : {4, 8})
+    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
+      for (auto rr : {std::pair<int, int>{1, 16}, {5, 11}, {16, 3}, {8, 8}}) {
+        const std::int32_t n_tokens = std::uniform_int_distribution<std::int32_t>(1, 40)(rng);
+        f(make_pack_case<T>(3, 16, 16, rr.first, rr.second, 4, n_tokens, layout, rng), bits);
+      }
+}
 
 }  // namespace test
 }  // namespace kvkit

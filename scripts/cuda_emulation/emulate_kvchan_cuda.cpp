@@ -6,7 +6,6 @@
 // DeviceStatus and nothing is written.
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -14,11 +13,6 @@
 using namespace kvkit;
 
 int total_cases = 0, bad_cases = 0;
-
-template <class X>
-bool same_bytes(const std::vector<X>& a, const std::vector<X>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(X) * a.size()) == 0;
-}
 
 // One case: host (exec::Host) and emulated device (exec::Cuda, host memory tagged kCuda)
 // runs of pack, residual pack, residual unpack and residual attention, compared.
@@ -47,14 +41,14 @@ void run(const test::PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng) {
                                     g.kch.data(), g.vch.data(), g.full_pages.data(), g.packed_pages.data(), g.n_pages,
                                     g.n_tokens)
             .is_ok() && dst.code == 0, "device pack");
-  check(same_bytes(c.pk, g.pk) && same_bytes(c.pv, g.pv), "packed rows differ");
+  check(test::bitwise_equal(c.pk, g.pk) && test::bitwise_equal(c.pv, g.pv), "packed rows differ");
   check(channel::pack_residual_pages(host, c.full_view(c.fk.data(), c.fv.data()), hr.view, c.kch.data(), c.vch.data(),
                                      c.rk, c.rv, c.full_pages.data(), c.packed_pages.data(), c.n_pages, c.n_tokens)
             .is_ok(), "host residual pack");
   check(channel::pack_residual_pages(dev, g.full_view(g.fk.data(), g.fv.data(), kd), dr.view, g.kch.data(), g.vch.data(),
                                      g.rk, g.rv, g.full_pages.data(), g.packed_pages.data(), g.n_pages, g.n_tokens)
             .is_ok() && dst.code == 0, "device residual pack");
-  check(hr.kc == dr.kc && hr.vc == dr.vc && same_bytes(hr.sc, dr.sc), "codes or scales differ");
+  check(hr.kc == dr.kc && hr.vc == dr.vc && test::bitwise_equal(hr.sc, dr.sc), "codes or scales differ");
   // Unpack into another full-width pool (random contents) at other page ids.
   std::vector<T> bk = test::random_vector<T>(c.fk.size(), rng), bv = test::random_vector<T>(c.fv.size(), rng);
   std::vector<T> gbk = bk, gbv = bv;
@@ -65,7 +59,7 @@ void run(const test::PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng) {
   check(channel::unpack_residual_pages(dev, dr.view, g.full_view(gbk.data(), gbv.data(), kd), g.kch.data(), g.vch.data(),
                                        g.rk, g.rv, g.packed_pages.data(), pages.data(), g.n_pages, g.n_tokens)
             .is_ok() && dst.code == 0, "device residual unpack");
-  check(same_bytes(bk, gbk) && same_bytes(bv, gbv), "unpacked dims differ");
+  check(test::bitwise_equal(bk, gbk) && test::bitwise_equal(bv, gbv), "unpacked dims differ");
   // Attention over the packed pages + residual: one sequence of the case's pages, one empty.
   const std::int32_t G = 2, Hq = c.heads * G, D = c.k_dim;
   const std::vector<std::int32_t> indptr{0, c.n_pages, c.n_pages};
@@ -107,12 +101,7 @@ void run(const test::PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng) {
 
 template <class T>
 void all(std::mt19937_64& rng) {
-  for (std::int32_t bits : {4, 8})
-    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
-      for (auto rr : {std::pair<int, int>{1, 16}, {5, 11}, {16, 3}, {8, 8}}) {
-        const std::int32_t n_tokens = std::uniform_int_distribution<std::int32_t>(1, 40)(rng);
-        run(test::make_pack_case<T>(3, 16, 16, rr.first, rr.second, 4, n_tokens, layout, rng), bits, rng);
-      }
+  test::for_each_residual_parity_case<T>(rng, [&](const test::PackCase<T>& c, std::int32_t bits) { run(c, bits, rng); });
 }
 
 // A bad channel id: the device status names it and no code or scale is written.
@@ -129,7 +118,7 @@ void bad_channel(std::mt19937_64& rng) {
   // Either report may come first (threads race to it, as on a GPU): id 99 out of range, or
   // the next id not above 99.
   if (!(s.is_ok() && dst.code == static_cast<int>(StatusCode::kInvalidArgument) && (dst.value == 99 || dst.bound == 99) &&
-        r.kc == before.kc && r.vc == before.vc && same_bytes(r.sc, before.sc))) {
+        r.kc == before.kc && r.vc == before.vc && test::bitwise_equal(r.sc, before.sc))) {
     ++bad_cases;
     std::printf("MISMATCH bad channel id: status %s, device code %d value %lld\n", s.to_string().c_str(), dst.code,
                 static_cast<long long>(dst.value));

@@ -114,14 +114,10 @@ void check_parity(const PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng
 
 template <class T>
 void parity_cases(std::mt19937_64& rng) {
-  for (std::int32_t bits : {4, 8})
-    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
-      for (auto rr : {std::pair<int, int>{1, 16}, {5, 11}, {16, 3}, {8, 8}}) {
-        const std::int32_t n_tokens = std::uniform_int_distribution<std::int32_t>(1, 40)(rng);
-        const auto c = test::make_pack_case<T>(3, 16, 16, rr.first, rr.second, 4, n_tokens, layout, rng);
-        INFO("bits " << bits << " rk " << rr.first << " rv " << rr.second << " tokens " << n_tokens);
-        check_parity(c, bits, rng);
-      }
+  test::for_each_residual_parity_case<T>(rng, [&](const PackCase<T>& c, std::int32_t bits) {
+    INFO("bits " << bits << " rk " << c.rk << " rv " << c.rv << " tokens " << c.n_tokens);
+    check_parity(c, bits, rng);
+  });
 }
 
 }  // namespace
