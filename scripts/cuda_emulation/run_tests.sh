@@ -11,8 +11,9 @@
 #   (default: every tests/cuda/test_*.cu; e.g. run_tests.sh test_cuda_parity -- "[attention]")
 # Environment: KVKIT_EMU_OUT (build folder, default /tmp/kvkit_cuda_emulation),
 #   KVKIT_EMU_TIMEOUT (seconds per test file, default 1800), KVKIT_EMU_SCHEDULE (forward,
-#   the default, or reverse: the order a block's threads run in between barriers; each
-#   test file runs once per schedule listed, e.g. KVKIT_EMU_SCHEDULE="forward reverse").
+#   the default, reverse or random: the order of a grid's blocks and of a block's threads
+#   between barriers; each test file runs once per schedule listed, e.g.
+#   KVKIT_EMU_SCHEDULE="forward reverse random"), KVKIT_EMU_SEED (random's seed, default 1).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"

@@ -8,34 +8,35 @@
 // Execution model: a launch runs its blocks one after another; the threads of a block are
 // fibers on the calling thread, each run until it reaches a barrier (__syncthreads, or
 // __shfl_xor_sync's barrier per lane group) or ends, in thread order, round after round
-// (KVKIT_EMU_SCHEDULE=reverse: highest thread first). A missing barrier then shows as a
-// read of shared data before its writer ran (forward order catches a lower thread reading
-// what a higher one writes; reverse order the other way round).
+// (KVKIT_EMU_SCHEDULE=reverse: highest thread and block first; random: shuffled, see
+// Schedule). A missing barrier then shows as a read of shared data before its writer ran
+// (forward order catches a lower thread reading what a higher one writes; reverse order
+// the other way round).
 // Threads that ended count as arrived at __syncthreads; a barrier nobody can pass aborts
 // with "deadlock". __shared__ variables are function statics (one block at a time makes
 // that sound); atomics are std::atomic_ref. Streams run their work at once, in order; a stream in graph capture
 // records it instead, and cudaGraphLaunch replays the record. Device memory is host
 // memory from cudaMalloc (256-byte aligned, like the real allocator).
 //
-// What this checks: indexing, barriers (a divergent __syncthreads hangs: run_tests.sh
-// has a timeout), shared-memory use, the status contract, graph capture (no blocking call
-// inside a captured step), vector-access alignment (UBSan checks the uint2 / uint4
-// casts). What it cannot: the GPU's math library (host expf / logf instead), its memory
-// model, warp-synchronous code without __syncwarp, timing.
+// What this checks: indexing, barriers (one some threads never reach aborts with
+// "deadlock"), shared-memory use (a missing barrier reads stale data), the status contract,
+// graph capture (no blocking call inside a captured step), vector-access alignment (UBSan
+// checks the uint2 / uint4 casts); code that assumes a warp runs in lockstep fails, as it
+// may on Volta and later. What it cannot: the GPU's math library (host expf / logf
+// instead), its memory model (blocks never overlap), timing.
 #include <algorithm>
-#include <cstdio>
 #include <atomic>
 #include <bit>
 #include <cmath>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
+#include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -144,6 +145,44 @@ inline void __sanitizer_finish_switch_fiber(void*, const void**, std::size_t*) {
 #endif
 namespace emu {
 
+/// The order blocks of a grid, and the threads of a block within each round, run in:
+/// KVKIT_EMU_SCHEDULE=forward (default), reverse, or random (a fresh permutation each time,
+/// from KVKIT_EMU_SEED, default 1). Each is a schedule a GPU may run; a kernel that is
+/// right only under some of them has a race.
+class Schedule {
+ public:
+  static Schedule& get() {
+    static Schedule s;
+    return s;
+  }
+  /// o = a permutation of [0, n).
+  void order(std::vector<int>& o, int n) {
+    o.resize(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) o[static_cast<std::size_t>(i)] = kind_ == kReverse ? n - 1 - i : i;
+    if (kind_ == kRandom) std::shuffle(o.begin(), o.end(), rng_);
+  }
+
+ private:
+  enum Kind { kForward, kReverse, kRandom };
+  Schedule() {
+    const char* e = std::getenv("KVKIT_EMU_SCHEDULE");
+    const std::string k = e != nullptr ? e : "forward";
+    if (k == "reverse") {
+      kind_ = kReverse;
+    } else if (k == "random") {
+      kind_ = kRandom;
+      const char* seed = std::getenv("KVKIT_EMU_SEED");
+      rng_.seed(seed != nullptr ? std::strtoull(seed, nullptr, 10) : 1);
+      std::fprintf(stderr, "emu: random schedule, KVKIT_EMU_SEED=%s\n", seed != nullptr ? seed : "1");
+    } else if (k != "forward") {
+      std::fprintf(stderr, "emu: unknown KVKIT_EMU_SCHEDULE '%s' (forward, reverse or random)\n", k.c_str());
+      std::abort();
+    }
+  }
+  Kind kind_ = kForward;
+  std::mt19937_64 rng_;
+};
+
 /// A barrier among `expected` fibers; fibers that end count as arrived (block barrier).
 struct Barrier {
   int expected = 0, arrived = 0;
@@ -187,14 +226,10 @@ class Block {
       top[-2] = reinterpret_cast<void*>(&Block::entry);
       f.sp = top - 8;
     }
-    static const bool reverse = [] {
-      const char* e = std::getenv("KVKIT_EMU_SCHEDULE");
-      return e != nullptr && std::strcmp(e, "reverse") == 0;
-    }();
     for (int live = n; live > 0;) {
       bool progress = false;
-      for (int i = 0; i < n; ++i) {
-        const int t = reverse ? n - 1 - i : i;
+      Schedule::get().order(order_, n);
+      for (const int t : order_) {
         Fiber& f = fibers_[t];
         if (f.done || (f.wait != nullptr && f.wait->gen == f.wait_gen)) continue;
         f.wait = nullptr;
@@ -267,6 +302,7 @@ class Block {
   }
   std::vector<char*> stacks_;
   std::vector<Fiber> fibers_;
+  std::vector<int> order_;
   const std::function<void()>* kernel_ = nullptr;
   Barrier bar_;
   struct ShflGroup {
@@ -286,17 +322,18 @@ inline long long& launches() {
   return n;
 }
 
-/// Runs a grid: blocks in turn (x fastest).
+/// Runs a grid: blocks in turn, in the schedule's order (forward: x fastest).
 inline void run_grid(dim3 grid, dim3 block, const std::function<void()>& kernel) {
   ++launches();
   blockDim = block;
   gridDim = grid;
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        blockIdx = dim3(bx, by, bz);
-        Block::get().run(block, kernel);
-      }
+  static std::vector<int> order;
+  Schedule::get().order(order, static_cast<int>(grid.x * grid.y * grid.z));
+  for (const int i : order) {
+    const unsigned u = static_cast<unsigned>(i);
+    blockIdx = dim3(u % grid.x, (u / grid.x) % grid.y, u / (grid.x * grid.y));
+    Block::get().run(block, kernel);
+  }
 }
 
 /// The rewritten `kernel<<<grid, block[, smem[, stream]]>>>(args)`.
