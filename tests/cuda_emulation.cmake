@@ -1,12 +1,14 @@
 # CUDA tests on the host. CI has no GPU, so the sanitizer build also compiles the CUDA
-# test files named in KVKIT_EMULATED_CUDA_TESTS, with the real kernels/cuda headers, as
+# test files named in KVKIT_EMULATED_CUDA_TESTS (by default the core kernels' parity test
+# and kvchan's residual, whose kernels never ran on a GPU; the other three files cost
+# 45-100 s of compile each, run them with run_tests.sh), with the real kernels/cuda headers, as
 # C++20 against a stand-in CUDA runtime (scripts/cuda_emulation/runtime/cuda_runtime.h: a
 # block's threads are fibers switched at barriers) and runs them under ASan/UBSan: the
 # CUDA twins then run, and are compared with the CPU, on every CI pass.
 # scripts/cuda_emulation/rewrite.py copies the .cuh / .cu files with their <<<...>>>
 # launches rewritten; scripts/cuda_emulation/run_tests.sh runs every CUDA test file the
 # same way by hand. Needs x86-64 (the fibers' stack switch), GCC or Clang, C++20 and Python 3.
-set(KVKIT_EMULATED_CUDA_TESTS "test_cuda_parity" CACHE STRING
+set(KVKIT_EMULATED_CUDA_TESTS "test_cuda_parity;test_kvchan_residual_cuda" CACHE STRING
     "tests/cuda files the sanitizer build runs on the host CUDA emulation")
 find_package(Python3 COMPONENTS Interpreter)
 if(NOT Python3_Interpreter_FOUND OR NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang"
