@@ -5,7 +5,7 @@
 #   3. Release build, C++17, CUDA when nvcc exists, in build/; runs every CTest test
 #   4. sanitizer build (ASan+UBSan, Debug), C++20, no CUDA, no benchmarks, in build-asan/; runs
 #      every test except the packaging ones (label `packaging`, already run in step 3), and
-#      tests/cuda/test_cuda_parity on the host emulation of CUDA (tests/cuda_emulation.cmake)
+#      two CUDA test files on the host emulation of CUDA (tests/cuda_emulation.cmake)
 # Exits non-zero when anything fails; the last line says what passed.
 # Environment: KVKIT_BUILD_DIR, KVKIT_ASAN_BUILD_DIR override the two build folders.
 set -euo pipefail
