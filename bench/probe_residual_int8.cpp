@@ -53,6 +53,22 @@ int main(int argc, char** argv) {
     for (int j = 0; j < NC; ++j) { qq[g][j] = (int8_t)std::nearbyint(q[g * D + R + j] / sq[g]); s += qq[g][j]; }
     bias[g] = -128 * s;
   }
+  using Acc = __m512[G][4];
+  // acc[g][t] += q[g, off .. off + 16) * k[t] for the G queries and 4 tokens.
+  auto fma_rows = [&](Acc& acc, const __m512* k, int off) {
+    for (int g = 0; g < G; ++g) {
+      const __m512 qv = _mm512_loadu_ps(&q[g * D + off]);
+      for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_fmadd_ps(qv, k[t], acc[g][t]);
+    }
+  };
+  // Fresh accumulators holding the 16 exact half dims of tokens t0 .. t0 + 3.
+  auto exact_part = [&](Acc& acc, int t0) {
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
+    __m512 k[4];
+    for (int t = 0; t < 4; ++t) k[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)&ex[(t0 + t) * R]));
+    fma_rows(acc, k, 0);
+  };
   auto dense_k = [&] {
     for (int t0 = 0; t0 < N; t0 += 4) {
       __m512 acc[G][4];
@@ -60,22 +76,19 @@ int main(int argc, char** argv) {
       for (int d = 0; d < D; d += 16) {
         __m512 k[4];
         for (int t = 0; t < 4; ++t) k[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)&dense[(t0 + t) * D + d]));
-        for (int g = 0; g < G; ++g) { const __m512 qv = _mm512_loadu_ps(&q[g * D + d]); for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_fmadd_ps(qv, k[t], acc[g][t]); }
+        fma_rows(acc, k, d);
       }
       for (int g = 0; g < G; ++g) hsum4(acc[g], &out[g * N + t0]);
     }
   };
   auto float_k = [&] {
     for (int t0 = 0; t0 < N; t0 += 4) {
-      __m512 acc[G][4];
-      for (int g = 0; g < G; ++g) for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
-      { __m512 k[4];
-        for (int t = 0; t < 4; ++t) k[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)&ex[(t0 + t) * R]));
-        for (int g = 0; g < G; ++g) { const __m512 qv = _mm512_loadu_ps(&q[g * D]); for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_fmadd_ps(qv, k[t], acc[g][t]); } }
+      Acc acc;
+      exact_part(acc, t0);
       for (int d = 0; d < NC; d += 16) {
         __m512 k[4];
         for (int t = 0; t < 4; ++t) k[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)&codes[(t0 + t) * NC + d]))), _mm512_set1_ps(sc[t0 + t]));
-        for (int g = 0; g < G; ++g) { const __m512 qv = _mm512_loadu_ps(&q[g * D + R + d]); for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_fmadd_ps(qv, k[t], acc[g][t]); }
+        fma_rows(acc, k, R + d);
       }
       for (int g = 0; g < G; ++g) hsum4(acc[g], &out2[g * N + t0]);
     }
@@ -83,11 +96,8 @@ int main(int argc, char** argv) {
   auto int8_k = [&] {
     const __mmask64 m = (1ull << NC) - 1;
     for (int t0 = 0; t0 < N; t0 += 4) {
-      __m512 acc[G][4];
-      for (int g = 0; g < G; ++g) for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
-      { __m512 k[4];
-        for (int t = 0; t < 4; ++t) k[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)&ex[(t0 + t) * R]));
-        for (int g = 0; g < G; ++g) { const __m512 qv = _mm512_loadu_ps(&q[g * D]); for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_fmadd_ps(qv, k[t], acc[g][t]); } }
+      Acc acc;
+      exact_part(acc, t0);
       __m512i c[4];
       for (int t = 0; t < 4; ++t) c[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, &codes[(t0 + t) * NC]), _mm512_set1_epi8((char)0x80));
       for (int g = 0; g < G; ++g) {
