@@ -22,11 +22,9 @@ set(_kvkit_emu_gen ${CMAKE_CURRENT_BINARY_DIR}/cuda_emulation)
 file(GLOB_RECURSE _kvkit_emu_inputs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/kvkit/*.cuh
      ${CMAKE_CURRENT_SOURCE_DIR}/cuda/*.cu ${CMAKE_CURRENT_SOURCE_DIR}/cuda/*.cuh)
 set(_kvkit_emu_srcs)
-foreach(t IN LISTS KVKIT_EMULATED_CUDA_TESTS)
-  list(APPEND _kvkit_emu_srcs ${_kvkit_emu_gen}/tests/cuda/${t}.cpp)
-endforeach()
 set(_kvkit_emu_copy)
 foreach(t IN LISTS KVKIT_EMULATED_CUDA_TESTS)  # .cpp next to its .cu (its includes are relative)
+  list(APPEND _kvkit_emu_srcs ${_kvkit_emu_gen}/tests/cuda/${t}.cpp)
   list(APPEND _kvkit_emu_copy COMMAND ${CMAKE_COMMAND} -E copy ${_kvkit_emu_gen}/tests/cuda/${t}.cu
        ${_kvkit_emu_gen}/tests/cuda/${t}.cpp)
 endforeach()

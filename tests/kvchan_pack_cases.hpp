@@ -115,10 +115,10 @@ struct ResidualCase {
   }
 };
 
-/// The residual parity cases the CUDA test (cuda/test_kvchan_residual_cuda.cu) and the host
-/// emulation (scripts/cuda_emulation/emulate_kvchan_cuda.cpp) both run: f(case, bits) for 4
-/// and 8 bits, NHD and HND full pools, channel counts from 1 dim to the full width, 3 heads
-/// of 16 dims, pages of 4, 1-40 tokens.
+/// The residual cases the CPU round trips (test_kvchan_residual.cpp) and the CUDA parity test
+/// (cuda/test_kvchan_residual_cuda.cu) both run: f(case, bits) for 4 and 8 bits, NHD and HND
+/// full pools, channel counts from 1 dim to the full width, 3 heads of 16 dims, pages of 4,
+/// 1-40 tokens.
 template <class T, class F>
 void for_each_residual_parity_case(std::mt19937_64& rng, F&& f) {
   for (std::int32_t bits : {4, 8})

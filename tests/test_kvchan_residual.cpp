@@ -137,14 +137,10 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
 template <class T>
 void residual_round_trips(std::mt19937_64& rng) {
   const exec::Host ex{2};
-  for (std::int32_t bits : {4, 8})
-    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND})
-      for (auto rr : {std::pair<int, int>{1, 16}, {5, 11}, {16, 3}, {8, 8}}) {
-        const std::int32_t n_tokens = std::uniform_int_distribution<std::int32_t>(1, 40)(rng);
-        const auto c = test::make_pack_case<T>(3, 16, 16, rr.first, rr.second, 4, n_tokens, layout, rng);
-        INFO("bits " << bits << " rk " << rr.first << " rv " << rr.second << " tokens " << n_tokens);
-        check_residual_round_trip(c, bits, ex, rng);
-      }
+  test::for_each_residual_parity_case<T>(rng, [&](const PackCase<T>& c, std::int32_t bits) {
+    INFO("bits " << bits << " rk " << c.rk << " rv " << c.rv << " tokens " << c.n_tokens);
+    check_residual_round_trip(c, bits, ex, rng);
+  });
 }
 
 // A pool with old tokens (packed + residual) for B sequences and a full-width window;

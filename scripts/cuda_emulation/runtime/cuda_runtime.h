@@ -317,14 +317,8 @@ class Block {
   std::size_t main_size_ = 0;
 };
 
-inline long long& launches() {
-  static long long n = 0;
-  return n;
-}
-
 /// Runs a grid: blocks in turn, in the schedule's order (forward: x fastest).
 inline void run_grid(dim3 grid, dim3 block, const std::function<void()>& kernel) {
-  ++launches();
   blockDim = block;
   gridDim = grid;
   static std::vector<int> order;

@@ -68,8 +68,8 @@
 // the bounds kernel 49 us of them); the update list must hold distinct page ids. Checked by
 // tests/cuda/test_eps_cuda on a GPU (H100: bits equal to the CPU Sketcher's, memcheck and
 // racecheck clean), and without one by tests/test_eps_twin.cpp (the per-item functions and
-// the host schedule against SketchSelector) and scripts/cuda_emulation/run.sh eps (these
-// kernels on host threads).
+// the host schedule against SketchSelector) and scripts/cuda_emulation/run_tests.sh
+// test_eps_cuda (the GPU test itself, these kernels on host fibers).
 
 #include <cmath>
 #include <cstddef>
