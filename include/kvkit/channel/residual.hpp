@@ -29,7 +29,7 @@
 //
 // Errors: bits outside {4, 8}, geometry that does not match, page or channel ids out of
 // range give a Status and nothing is written. Never allocates: the attention kernel keeps
-// its scratch on the stack (about 42 KiB per worker at the limits kMaxResidualDim and
+// its scratch on the stack (about 43 KiB per worker at the limits kMaxResidualDim and
 // kMaxResidualGroup; larger head dims or groups are kUnsupported).
 
 #include <algorithm>
@@ -283,8 +283,8 @@ inline constexpr std::int32_t kResidualTile = 32;
 inline constexpr int kResidualStep = kvkit::detail::cpu::kTokensPerStep;
 
 /// One tile's K (or V) rows: the packed part of token j (its r selected dims, type T),
-/// its code row and its scale. Row j reads back as x[j] on [0, r) and s[j] * codes on
-/// [r, r + n) in the kernel's permuted dim order (selected dims, then dropped ones).
+/// its code row and its scale. Row j reads back as x[j] on the selected dims and s[j] *
+/// codes on the dropped ones.
 template <class T>
 struct ResidualRows {
   const T* x[kResidualTile];             // [kResidualTile] rows of r elements
@@ -292,52 +292,97 @@ struct ResidualRows {
   const float* s[kResidualTile];         // [kResidualTile] scales
 };
 
-/// Lanes d .. d + rest - 1 of token j's row as it reads back: exact part (d < r, chunks
-/// never straddle r) or decoded codes times the scale.
-template <int kBits, class Codes, class T>
-KVKIT_SIMD_INLINE Vec residual_chunk(const ResidualRows<T>& rows, std::int32_t j, std::int32_t d, int rest) {
-  if constexpr (!Codes::value) {
-    return rest == Vec::kLanes ? Vec::load(rows.x[j] + d) : kvkit::detail::cpu::load_partial(rows.x[j] + d, rest);
-  } else {
-    const Vec c = rest == Vec::kLanes ? kvkit::detail::cpu::load_codes<kBits>(rows.c[j], d)
-                                      : kvkit::detail::cpu::load_codes_partial<kBits>(rows.c[j], d, rest);
-    return c * Vec::set1(*rows.s[j]);
-  }
-}
+/// Vectors one coded chunk of a row decodes into: 4 bits two (its even and its odd codes,
+/// load_nibble_pairs), 8 bits one.
+template <int kBits>
+inline constexpr int kCodeVecs = kBits == 4 ? 2 : 1;
 
 /// x rounded up to a multiple of Vec::kLanes.
 inline std::int32_t lanes_up(std::int32_t x) { return (x + Vec::kLanes - 1) / Vec::kLanes * Vec::kLanes; }
 
-/// Calls f(codes, d, off, rest) for the chunks of a row of r exact dims (codes:
-/// std::false_type) then n coded ones (std::true_type); d: the chunk's first dim or code,
-/// off: its position in the kernel's padded rows of q and accumulators (exact dims at 0,
-/// coded ones at lanes_up(r), so every chunk is vector aligned), rest <= Vec::kLanes lanes.
-template <class F>
-KVKIT_SIMD_INLINE void for_each_chunk(std::int32_t r, std::int32_t n, F&& f) {
-  constexpr int W = Vec::kLanes;
+/// n codes rounded up to whole coded chunks (kCodeVecs vectors each).
+template <int kBits>
+inline std::int32_t codes_up(std::int32_t n) {
+  constexpr std::int32_t step = kCodeVecs<kBits> * Vec::kLanes;
+  return (n + step - 1) / step * step;
+}
+
+/// Position of code j in the kernel's block of coded dims: 8 bits, j; 4 bits, within each
+/// chunk of 2 kLanes codes the even codes come first, then the odd ones, the order
+/// load_nibble_pairs decodes them in (q and the accumulators are kept in this order).
+template <int kBits>
+inline std::int32_t code_pos(std::int32_t j) {
+  if constexpr (kBits == 8) {
+    return j;
+  } else {
+    constexpr std::int32_t W = Vec::kLanes;
+    const std::int32_t c = j / (2 * W) * (2 * W), w = j - c;
+    return c + (w & 1) * W + w / 2;
+  }
+}
+
+/// Calls f(d, rest) for the chunks of a span of len elements: whole ones of kStep, then
+/// the tail (0 < rest < kStep); rest is the constant kStep in the first loop, so a
+/// callee's "whole chunk" branch folds away once inlined.
+template <int kStep, class F>
+KVKIT_SIMD_INLINE void for_each_span(std::int32_t len, F&& f) {
   std::int32_t d = 0;
-  for (; d + W <= r; d += W) f(std::false_type{}, d, d, W);
-  if (d < r) f(std::false_type{}, d, d, static_cast<int>(r - d));
-  const std::int32_t base = lanes_up(r);
-  for (d = 0; d + W <= n; d += W) f(std::true_type{}, d, base + d, W);
-  if (d < n) f(std::true_type{}, d, base + d, static_cast<int>(n - d));
+  for (; d + kStep <= len; d += kStep) f(d, kStep);
+  if (d < len) f(d, static_cast<int>(len - d));
+}
+
+/// Lanes d .. d + rest - 1 of token j's exact part (rest <= Vec::kLanes; pads read 0).
+template <class T>
+KVKIT_SIMD_INLINE Vec exact_chunk(const ResidualRows<T>& rows, std::int32_t j, std::int32_t d, int rest) {
+  return rest == Vec::kLanes ? Vec::load(rows.x[j] + d) : kvkit::detail::cpu::load_partial(rows.x[j] + d, rest);
+}
+
+/// Token j's codes d .. d + rest - 1, unscaled, as kCodeVecs<kBits> vectors in code_pos
+/// order (lanes past rest read 0; rest <= kCodeVecs<kBits> * Vec::kLanes).
+template <int kBits, class T>
+KVKIT_SIMD_INLINE void code_chunk(const ResidualRows<T>& rows, std::int32_t j, std::int32_t d, int rest,
+                                  Vec* c) {  // [kCodeVecs<kBits>]
+  if constexpr (kBits == 4) {
+    kvkit::detail::cpu::load_nibble_pairs(rows.c[j], d, rest, c, c + 1);
+  } else {
+    c[0] = rest == Vec::kLanes ? kvkit::detail::cpu::load_codes<8>(rows.c[j], d)
+                               : kvkit::detail::cpu::load_codes_partial<8>(rows.c[j], d, rest);
+  }
 }
 
 /// sc[g * kResidualTile + j0 + t] = q_g · (row j0 + t as it reads back) for NG queries
-/// (padded rows of q, stride dq, zero in the pads) and NT tokens; each chunk of the rows
-/// is loaded and decoded once for all NG queries.
+/// (padded rows of q, stride dq, zero in the pads) and NT tokens. The coded dims go first
+/// and unscaled, q_R · c_t, then times s_t: one multiply per (query, token) instead of one
+/// per chunk and token; then the exact dims. Each chunk of a row is loaded and decoded
+/// once for all NG queries.
 template <int kBits, int NG, int NT, class T>
 inline void residual_score_block(const float* q,  // [NG, dq]
                                  std::int32_t dq, const ResidualRows<T>& rows, std::int32_t j0, std::int32_t r,
                                  std::int32_t n, float* sc) {  // [NG, kResidualTile]
+  constexpr int W = Vec::kLanes, C = kCodeVecs<kBits>;
   Vec acc[NG][NT];
   for (int g = 0; g < NG; ++g)
     for (int t = 0; t < NT; ++t) acc[g][t] = Vec::zero();
-  for_each_chunk(r, n, [&](auto codes, std::int32_t d, std::int32_t off, int rest) {
+  const std::int32_t base = lanes_up(r);
+  for_each_span<C * W>(n, [&](std::int32_t d, int rest) {
+    Vec kv[NT][C];
+    for (int t = 0; t < NT; ++t) code_chunk<kBits>(rows, j0 + t, d, rest, kv[t]);
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < C; ++c) {
+        const Vec qv = Vec::load(q + static_cast<std::size_t>(g) * dq + base + d + c * W);  // pads are 0
+        for (int t = 0; t < NT; ++t) acc[g][t] = Vec::fma(qv, kv[t][c], acc[g][t]);
+      }
+  });
+  if (n > 0)
+    for (int t = 0; t < NT; ++t) {
+      const Vec s = Vec::set1(*rows.s[j0 + t]);
+      for (int g = 0; g < NG; ++g) acc[g][t] = acc[g][t] * s;
+    }
+  for_each_span<W>(r, [&](std::int32_t d, int rest) {
     Vec kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = residual_chunk<kBits, decltype(codes)>(rows, j0 + t, d, rest);
+    for (int t = 0; t < NT; ++t) kv[t] = exact_chunk(rows, j0 + t, d, rest);
     for (int g = 0; g < NG; ++g) {
-      const Vec qv = Vec::load(q + static_cast<std::size_t>(g) * dq + off);  // pads are 0
+      const Vec qv = Vec::load(q + static_cast<std::size_t>(g) * dq + d);  // pads are 0
       for (int t = 0; t < NT; ++t) acc[g][t] = Vec::fma(qv, kv[t], acc[g][t]);
     }
   });
@@ -349,20 +394,38 @@ inline void residual_score_block(const float* q,  // [NG, dq]
 }
 
 /// acc_g += sum_t p[g, j0 + t] * (V row j0 + t as it reads back) for NG accumulator rows
-/// (padded, stride dq; the pads stay 0) and NT tokens.
+/// (padded, stride dq; the pads stay 0) and NT tokens: the coded dims with the weights
+/// p * s_t times the unscaled codes, then the exact dims with p.
 template <int kBits, int NG, int NT, class T>
 inline void residual_accum_block(float* acc,  // [NG, dq]
                                  std::int32_t dq,
                                  const float* pr,  // [NG, kResidualTile] probabilities
                                  const ResidualRows<T>& rows, std::int32_t j0, std::int32_t r, std::int32_t n) {
+  constexpr int W = Vec::kLanes, C = kCodeVecs<kBits>;
   Vec w[NG][NT];
+  const std::int32_t base = lanes_up(r);
+  if (n > 0) {
+    for (int g = 0; g < NG; ++g)
+      for (int t = 0; t < NT; ++t) w[g][t] = Vec::set1(pr[g * kResidualTile + j0 + t] * *rows.s[j0 + t]);
+    for_each_span<C * W>(n, [&](std::int32_t d, int rest) {
+      Vec vv[NT][C];
+      for (int t = 0; t < NT; ++t) code_chunk<kBits>(rows, j0 + t, d, rest, vv[t]);
+      for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < C; ++c) {
+          float* a = acc + static_cast<std::size_t>(g) * dq + base + d + c * W;
+          Vec x = Vec::load(a);
+          for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t][c], x);
+          x.store(a);
+        }
+    });
+  }
   for (int g = 0; g < NG; ++g)
     for (int t = 0; t < NT; ++t) w[g][t] = Vec::set1(pr[g * kResidualTile + j0 + t]);
-  for_each_chunk(r, n, [&](auto codes, std::int32_t d, std::int32_t off, int rest) {
+  for_each_span<W>(r, [&](std::int32_t d, int rest) {
     Vec vv[NT];
-    for (int t = 0; t < NT; ++t) vv[t] = residual_chunk<kBits, decltype(codes)>(rows, j0 + t, d, rest);
+    for (int t = 0; t < NT; ++t) vv[t] = exact_chunk(rows, j0 + t, d, rest);
     for (int g = 0; g < NG; ++g) {
-      float* a = acc + static_cast<std::size_t>(g) * dq + off;
+      float* a = acc + static_cast<std::size_t>(g) * dq + d;
       Vec x = Vec::load(a);
       for (int t = 0; t < NT; ++t) x = Vec::fma(w[g][t], vv[t], x);
       x.store(a);
@@ -378,14 +441,14 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
                              const DecodeAttentionParams& p, std::int32_t b, std::int32_t h) {
   const std::int32_t Dq = p.q_dim, rk = old.head_dim, rv = old.v_head_dim, G = p.num_qo_heads / old.num_kv_heads;
   const std::int32_t nk = Dq - rk, nv = Dq - rv;
-  // Scratch (about 42 KiB at kMaxResidualGroup x kMaxResidualDim): dims are kept permuted,
-  // selected first then dropped (both ascending), for q, the accumulators and the rows;
-  // q and accumulator rows are padded so that the dropped dims start on a vector boundary
-  // ([0, r) selected, [lanes_up(r), lanes_up(r) + n) dropped, zeros between and after): every
-  // access to them is a whole aligned vector, and the zero pads meet the zero lanes of a
-  // partial row chunk.
-  constexpr std::int32_t kRow = kMaxResidualDim + 2 * Vec::kLanes;
-  const std::int32_t qw = lanes_up(rk) + lanes_up(nk), aw = lanes_up(rv) + lanes_up(nv);  // padded widths
+  // Scratch (about 43 KiB at kMaxResidualGroup x kMaxResidualDim): dims are kept permuted,
+  // selected first (ascending) then dropped (code j at code_pos(j)), for q, the
+  // accumulators and the rows; q and accumulator rows are padded so that the dropped dims
+  // start on a vector boundary ([0, r) selected, [lanes_up(r), lanes_up(r) + codes_up(n))
+  // dropped, zeros between and after): every access to them is a whole aligned vector,
+  // and the zero pads meet the zero lanes of a partial row chunk.
+  constexpr std::int32_t kRow = kMaxResidualDim + 3 * Vec::kLanes;
+  const std::int32_t qw = lanes_up(rk) + codes_up<kBits>(nk), aw = lanes_up(rv) + codes_up<kBits>(nv);  // padded
   std::int32_t kord[kMaxResidualDim], vord[kMaxResidualDim];  // permuted position -> dim
   alignas(64) float qs[kMaxResidualGroup * kRow];   // [G, qw] sm_scale * q, K order
   alignas(64) float acc[kMaxResidualGroup * kRow];  // [G, aw] unnormalised output, V order
@@ -401,7 +464,7 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
     float* qg = qs + g * qw;
     std::fill(qg, qg + qw, 0.f);
     for (std::int32_t c = 0; c < rk; ++c) qg[c] = p.sm_scale * to_float(qr[kord[c]]);
-    for (std::int32_t j = 0; j < nk; ++j) qg[lanes_up(rk) + j] = p.sm_scale * to_float(qr[kord[rk + j]]);
+    for (std::int32_t j = 0; j < nk; ++j) qg[lanes_up(rk) + code_pos<kBits>(j)] = p.sm_scale * to_float(qr[kord[rk + j]]);
     std::fill(acc + g * aw, acc + (g + 1) * aw, 0.f);
     m[g] = ninf;
     l[g] = 0.f;
@@ -418,7 +481,8 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   const std::int32_t n = old.seq_len(b);
   // Row addresses of a tile: a page walk (no division per token); within a page every
   // array advances by a constant stride per slot. (Prefetching the next tile's rows, as the
-  // dense kernel does, measured no gain here, from L3 or from DRAM.)
+  // dense kernel does, measured no gain here, from L3 or from DRAM, on AVX-512 and on AVX2:
+  // bench/RESULTS.md, 2026-11-29 evening.)
   const std::int64_t kst = old.k_stride_token, vst = old.v_stride_token, rst = res.num_kv_heads;  // per slot
   ResidualRows<T> kr, vr;
   for (std::int32_t t0 = 0; t0 < n; t0 += kResidualTile) {
@@ -466,7 +530,7 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
     const float* a = acc + g * aw;
     for (std::int32_t c = 0; c < rv; ++c) o[vord[c]] = from_float<T>(a[c] * inv);
-    for (std::int32_t j = 0; j < nv; ++j) o[vord[rv + j]] = from_float<T>(a[lanes_up(rv) + j] * inv);
+    for (std::int32_t j = 0; j < nv; ++j) o[vord[rv + j]] = from_float<T>(a[lanes_up(rv) + code_pos<kBits>(j)] * inv);
     lse[r] = l[g] > 0.f ? m[g] + std::log(l[g]) : ninf;
   }
 }

@@ -496,6 +496,37 @@ inline Vec load_codes(const std::uint8_t* row, std::int32_t j) {
 #endif
 }
 
+/// Codes j .. j + rest - 1 of a 4-bit code row (code_at's layout; j even, rest <= 2
+/// Vec::kLanes), split by parity: even[i] = code j + 2i, odd[i] = code j + 2i + 1, lanes
+/// past `rest` codes 0; reads no byte past those codes. A whole pair (rest == 2 kLanes) is
+/// one byte per lane: zero-extended, then each nibble sign-extended by two shifts, so a
+/// caller that keeps its dims in this even / odd order decodes 2 kLanes codes in 6 vector
+/// operations.
+inline void load_nibble_pairs(const std::uint8_t* row, std::int32_t j, int rest, Vec* even, Vec* odd) {
+  constexpr int W = Vec::kLanes;
+#if defined(KVKIT_SIMD_AVX512) || defined(KVKIT_SIMD_AVX2)
+  if (rest == 2 * W) {
+#if defined(KVKIT_SIMD_AVX512)
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j / 2)));
+    even->v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28));
+    odd->v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24), 28));
+#else
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j / 2)));
+    even->v = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28));
+    odd->v = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24), 28));
+#endif
+    return;
+  }
+#endif
+  float e[W] = {}, o[W] = {};
+  for (int i = 0; i < W; ++i) {
+    if (2 * i < rest) e[i] = static_cast<float>(code_at<4>(row, j + 2 * i));
+    if (2 * i + 1 < rest) o[i] = static_cast<float>(code_at<4>(row, j + 2 * i + 1));
+  }
+  *even = Vec::load(e);
+  *odd = Vec::load(o);
+}
+
 // ---------------------------------------------------------------------------------------
 // Exact array conversions (bit for bit the scalar converters of core/dtype.hpp).
 
