@@ -433,12 +433,17 @@ inline void residual_accum_block(float* acc,  // [NG, dq]
   });
 }
 
-/// One (sequence, kv head) of residual_channel_attention: tiles of kResidualTile tokens,
-/// scores for the group's queries in blocks of up to 4 (one decode of a row serves them
-/// all), an online-softmax step per tile, then the probability-weighted V rows.
+/// Heads [h0, h0 + nh) of sequence b of residual_channel_attention (nh * G <=
+/// kMaxResidualGroup): tiles of kResidualTile tokens; per tile and head, scores for the
+/// head's queries in blocks of up to 4 (one decode of a row serves them all), an
+/// online-softmax step, then the probability-weighted V rows. The heads of a token are
+/// adjacent in the pool and in the residual, so walking them tile by tile uses every cache
+/// line a tile brings in; one head at a time, a (sequence, head) item read a third of each
+/// line (3 kv heads) and left the rest to be fetched again. Each head's arithmetic is the
+/// same whatever nh is, so the result does not depend on the grouping.
 template <int kBits, class T>
 void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res, const T* q, T* out, float* lse,
-                             const DecodeAttentionParams& p, std::int32_t b, std::int32_t h) {
+                             const DecodeAttentionParams& p, std::int32_t b, std::int32_t h0, std::int32_t nh) {
   const std::int32_t Dq = p.q_dim, rk = old.head_dim, rv = old.v_head_dim, G = p.num_qo_heads / old.num_kv_heads;
   const std::int32_t nk = Dq - rk, nv = Dq - rv;
   // Scratch (about 43 KiB at kMaxResidualGroup x kMaxResidualDim): dims are kept permuted,
@@ -446,28 +451,36 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   // accumulators and the rows; q and accumulator rows are padded so that the dropped dims
   // start on a vector boundary ([0, r) selected, [lanes_up(r), lanes_up(r) + codes_up(n))
   // dropped, zeros between and after): every access to them is a whole aligned vector,
-  // and the zero pads meet the zero lanes of a partial row chunk.
+  // and the zero pads meet the zero lanes of a partial row chunk. Query row i is head
+  // h0 + i / G's query i % G.
   constexpr std::int32_t kRow = kMaxResidualDim + 3 * Vec::kLanes;
   const std::int32_t qw = lanes_up(rk) + codes_up<kBits>(nk), aw = lanes_up(rv) + codes_up<kBits>(nv);  // padded
-  std::int32_t kord[kMaxResidualDim], vord[kMaxResidualDim];  // permuted position -> dim
-  alignas(64) float qs[kMaxResidualGroup * kRow];   // [G, qw] sm_scale * q, K order
-  alignas(64) float acc[kMaxResidualGroup * kRow];  // [G, aw] unnormalised output, V order
-  alignas(64) float sc[kMaxResidualGroup * kResidualTile];  // [G, kResidualTile] scores, then weights
+  std::int32_t ord[kMaxResidualDim];  // permuted position -> dim, for one head's K or V
+  alignas(64) float qs[kMaxResidualGroup * kRow];   // [nh * G, qw] sm_scale * q, K order
+  alignas(64) float acc[kMaxResidualGroup * kRow];  // [nh * G, aw] unnormalised output, V order
+  alignas(64) float sc[kMaxResidualGroup * kResidualTile];  // [nh * G, kResidualTile] scores, then weights
   float m[kMaxResidualGroup], l[kMaxResidualGroup];
-  for (std::int32_t c = 0; c < rk; ++c) kord[c] = p.k_channels != nullptr ? p.k_channels[static_cast<std::int64_t>(h) * rk + c] : c;
-  for (std::int32_t c = 0; c < rv; ++c) vord[c] = p.v_channels != nullptr ? p.v_channels[static_cast<std::int64_t>(h) * rv + c] : c;
-  dropped_channels(kord, rk, Dq, kord + rk);
-  dropped_channels(vord, rv, Dq, vord + rv);
+  // The permuted order of head h's K (values false) or V dims into ord.
+  auto order = [&](std::int32_t h, bool values) {
+    const std::int32_t r = values ? rv : rk;
+    const std::int32_t* set = values ? p.v_channels : p.k_channels;
+    for (std::int32_t c = 0; c < r; ++c) ord[c] = set != nullptr ? set[static_cast<std::int64_t>(h) * r + c] : c;
+    dropped_channels(ord, r, Dq, ord + r);
+  };
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (std::int32_t g = 0; g < G; ++g) {
-    const T* qr = q + (static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g) * Dq;
-    float* qg = qs + g * qw;
-    std::fill(qg, qg + qw, 0.f);
-    for (std::int32_t c = 0; c < rk; ++c) qg[c] = p.sm_scale * to_float(qr[kord[c]]);
-    for (std::int32_t j = 0; j < nk; ++j) qg[lanes_up(rk) + code_pos<kBits>(j)] = p.sm_scale * to_float(qr[kord[rk + j]]);
-    std::fill(acc + g * aw, acc + (g + 1) * aw, 0.f);
-    m[g] = ninf;
-    l[g] = 0.f;
+  for (std::int32_t hi = 0; hi < nh; ++hi) {
+    order(h0 + hi, false);
+    for (std::int32_t g = 0; g < G; ++g) {
+      const std::int32_t i = hi * G + g;
+      const T* qr = q + (static_cast<std::int64_t>(b) * p.num_qo_heads + (h0 + hi) * G + g) * Dq;
+      float* qg = qs + i * qw;
+      std::fill(qg, qg + qw, 0.f);
+      for (std::int32_t c = 0; c < rk; ++c) qg[c] = p.sm_scale * to_float(qr[ord[c]]);
+      for (std::int32_t j = 0; j < nk; ++j) qg[lanes_up(rk) + code_pos<kBits>(j)] = p.sm_scale * to_float(qr[ord[rk + j]]);
+      std::fill(acc + i * aw, acc + (i + 1) * aw, 0.f);
+      m[i] = ninf;
+      l[i] = 0.f;
+    }
   }
   // Query blocks of 4, then one block of the remaining 1-3.
   auto by_groups = [&](auto&& f) {
@@ -487,51 +500,61 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   ResidualRows<T> kr, vr;
   for (std::int32_t t0 = 0; t0 < n; t0 += kResidualTile) {
     const std::int32_t nt = std::min(kResidualTile, n - t0);
-    std::int32_t pi = t0 / old.page_size, slot = t0 % old.page_size;
-    for (std::int32_t j = 0; j < nt;) {
-      const std::int32_t page = old.page_id(b, pi), run = std::min(nt - j, old.page_size - slot);
-      const T* kx = old.k_data + old.k_offset(page, slot, h);
-      const T* vx = old.v_data + old.v_offset(page, slot, h);
-      const std::int64_t row = res.row(page, slot, h);
-      const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
-      const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
-      const float* sk = res.scales + 2 * row;
-      for (std::int32_t i = 0; i < run; ++i, ++j) {
-        kr.x[j] = kx + i * kst;
-        kr.c[j] = kc + i * rst * res.k_bytes;
-        kr.s[j] = sk + 2 * i * rst;
-        vr.x[j] = vx + i * vst;
-        vr.c[j] = vc + i * rst * res.v_bytes;
-        vr.s[j] = sk + 2 * i * rst + 1;
+    for (std::int32_t hi = 0; hi < nh; ++hi) {
+      const std::int32_t h = h0 + hi;
+      std::int32_t pi = t0 / old.page_size, slot = t0 % old.page_size;
+      for (std::int32_t j = 0; j < nt;) {
+        const std::int32_t page = old.page_id(b, pi), run = std::min(nt - j, old.page_size - slot);
+        const T* kx = old.k_data + old.k_offset(page, slot, h);
+        const T* vx = old.v_data + old.v_offset(page, slot, h);
+        const std::int64_t row = res.row(page, slot, h);
+        const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
+        const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
+        const float* sk = res.scales + 2 * row;
+        for (std::int32_t i = 0; i < run; ++i, ++j) {
+          kr.x[j] = kx + i * kst;
+          kr.c[j] = kc + i * rst * res.k_bytes;
+          kr.s[j] = sk + 2 * i * rst;
+          vr.x[j] = vx + i * vst;
+          vr.c[j] = vc + i * rst * res.v_bytes;
+          vr.s[j] = sk + 2 * i * rst + 1;
+        }
+        ++pi;
+        slot = 0;
       }
-      ++pi;
-      slot = 0;
+      const std::int32_t i0 = hi * G;  // the head's first query row
+      by_groups([&](auto ng, std::int32_t g0) {
+        constexpr int NG = decltype(ng)::value;
+        const std::int32_t i = i0 + g0;
+        std::int32_t j = 0;
+        for (; j + NT <= nt; j += NT)
+          residual_score_block<kBits, NG, NT>(qs + i * qw, qw, kr, j, rk, nk, sc + i * kResidualTile);
+        for (; j < nt; ++j) residual_score_block<kBits, NG, 1>(qs + i * qw, qw, kr, j, rk, nk, sc + i * kResidualTile);
+      });
+      for (std::int32_t i = i0; i < i0 + G; ++i)
+        kvkit::detail::cpu::softmax_tile(sc + i * kResidualTile, nt, m[i], l[i], acc + i * aw, aw);
+      by_groups([&](auto ng, std::int32_t g0) {
+        constexpr int NG = decltype(ng)::value;
+        const std::int32_t i = i0 + g0;
+        std::int32_t j = 0;
+        for (; j + NT <= nt; j += NT)
+          residual_accum_block<kBits, NG, NT>(acc + i * aw, aw, sc + i * kResidualTile, vr, j, rv, nv);
+        for (; j < nt; ++j) residual_accum_block<kBits, NG, 1>(acc + i * aw, aw, sc + i * kResidualTile, vr, j, rv, nv);
+      });
     }
-    by_groups([&](auto ng, std::int32_t g0) {
-      constexpr int NG = decltype(ng)::value;
-      std::int32_t j = 0;
-      for (; j + NT <= nt; j += NT)
-        residual_score_block<kBits, NG, NT>(qs + g0 * qw, qw, kr, j, rk, nk, sc + g0 * kResidualTile);
-      for (; j < nt; ++j) residual_score_block<kBits, NG, 1>(qs + g0 * qw, qw, kr, j, rk, nk, sc + g0 * kResidualTile);
-    });
-    for (std::int32_t g = 0; g < G; ++g)
-      kvkit::detail::cpu::softmax_tile(sc + g * kResidualTile, nt, m[g], l[g], acc + g * aw, aw);
-    by_groups([&](auto ng, std::int32_t g0) {
-      constexpr int NG = decltype(ng)::value;
-      std::int32_t j = 0;
-      for (; j + NT <= nt; j += NT)
-        residual_accum_block<kBits, NG, NT>(acc + g0 * aw, aw, sc + g0 * kResidualTile, vr, j, rv, nv);
-      for (; j < nt; ++j) residual_accum_block<kBits, NG, 1>(acc + g0 * aw, aw, sc + g0 * kResidualTile, vr, j, rv, nv);
-    });
   }
-  for (std::int32_t g = 0; g < G; ++g) {
-    const std::int64_t r = static_cast<std::int64_t>(b) * p.num_qo_heads + h * G + g;
-    T* o = out + r * Dq;
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    const float* a = acc + g * aw;
-    for (std::int32_t c = 0; c < rv; ++c) o[vord[c]] = from_float<T>(a[c] * inv);
-    for (std::int32_t j = 0; j < nv; ++j) o[vord[rv + j]] = from_float<T>(a[lanes_up(rv) + code_pos<kBits>(j)] * inv);
-    lse[r] = l[g] > 0.f ? m[g] + std::log(l[g]) : ninf;
+  for (std::int32_t hi = 0; hi < nh; ++hi) {
+    order(h0 + hi, true);
+    for (std::int32_t g = 0; g < G; ++g) {
+      const std::int32_t i = hi * G + g;
+      const std::int64_t r = static_cast<std::int64_t>(b) * p.num_qo_heads + (h0 + hi) * G + g;
+      T* o = out + r * Dq;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const float* a = acc + i * aw;
+      for (std::int32_t c = 0; c < rv; ++c) o[ord[c]] = from_float<T>(a[c] * inv);
+      for (std::int32_t j = 0; j < nv; ++j) o[ord[rv + j]] = from_float<T>(a[lanes_up(rv) + code_pos<kBits>(j)] * inv);
+      lse[r] = l[i] > 0.f ? m[i] + std::log(l[i]) : ninf;
+    }
   }
 }
 
@@ -545,9 +568,9 @@ inline namespace KVKIT_SIMD_NS {
 /// meaning the rows are full width) plus their residual `res` (same page ids): see the
 /// file comment. q and out are [batch, Hq, p.q_dim]; lse [batch, Hq] (natural log, -inf
 /// for a sequence with no tokens, whose out rows are 0). Page subsets and scores out are
-/// not supported here (kInvalidArgument). Threads split the (sequence, kv head) pairs;
-/// each pair's arithmetic is sequential, so the result does not depend on the thread
-/// count. Never allocates beyond the threads of a call without an executor. Vector code
+/// not supported here (kInvalidArgument). Threads split the sequences' kv heads into
+/// items of adjacent heads; each head's arithmetic is sequential and the same in any item,
+/// so the result does not depend on the thread count. Never allocates beyond the threads of a call without an executor. Vector code
 /// from kernels/cpu/simd.hpp: a row's codes are decoded (and scaled) once per chunk of
 /// Vec lanes for all the group's queries, never written back to memory.
 template <class T>
@@ -569,13 +592,17 @@ Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, Resi
                                                   p.v_channels != nullptr ? p.v_channels : &kNone, H,
                                                   p.k_channels != nullptr ? rk : 0, p.v_channels != nullptr ? rv : 0,
                                                   Dq, Dq, &kNone, &kNone, 0, 1, 1));
-  kvkit::detail::parallel_for(ex, static_cast<std::int64_t>(B) * H, [&](std::int64_t ib, std::int64_t ie, int) {
+  // Items of hpi adjacent kv heads of one sequence (as many as the stack scratch holds,
+  // fewer when the threads need more items): see residual_attention_item.
+  const std::int32_t hpi = kvkit::detail::heads_per_item(ex, B, H, std::max<std::int32_t>(1, kMaxResidualGroup / G));
+  const std::int32_t groups = H / hpi;
+  kvkit::detail::parallel_for(ex, static_cast<std::int64_t>(B) * groups, [&](std::int64_t ib, std::int64_t ie, int) {
     for (std::int64_t i = ib; i < ie; ++i) {
-      const std::int32_t b = static_cast<std::int32_t>(i / H), h = static_cast<std::int32_t>(i % H);
+      const std::int32_t b = static_cast<std::int32_t>(i / groups), h0 = static_cast<std::int32_t>(i % groups) * hpi;
       if (res.bits == 8)
-        detail::residual_attention_item<8>(old, res, q, out, lse, p, b, h);
+        detail::residual_attention_item<8>(old, res, q, out, lse, p, b, h0, hpi);
       else
-        detail::residual_attention_item<4>(old, res, q, out, lse, p, b, h);
+        detail::residual_attention_item<4>(old, res, q, out, lse, p, b, h0, hpi);
     }
   });
   return Status::ok();
