@@ -18,6 +18,7 @@ using kvkit::detail::cpu::convert;
 using kvkit::detail::cpu::code_at;
 using kvkit::detail::cpu::load_codes;
 using kvkit::detail::cpu::load_codes_partial;
+using kvkit::detail::cpu::load_nibble_pairs;
 using kvkit::detail::cpu::Vec;
 
 namespace {
@@ -184,7 +185,8 @@ TEST_CASE("vector exp, dot and axpy match double precision", "[simd][math]") {
 // The residual kernels' code loads (channel/residual.hpp): every lane equals the code the
 // documented layout holds, read here bit by bit, for all 256 byte values in every lane
 // position, whole vectors at every even offset and partial ones of every length; a partial
-// load reads no byte past its codes (the row ends at its last code, under ASan).
+// load reads no byte past its codes (the row ends at its last code, under ASan); 4-bit
+// codes also as load_nibble_pairs splits them (even codes, odd codes).
 namespace {
 template <int kBits>
 void check_code_loads(std::mt19937_64& rng) {
@@ -214,6 +216,24 @@ void check_code_loads(std::mt19937_64& rng) {
         if (got[i] != (i < len ? static_cast<float>(documented(j + i)) : 0.f))
           FAIL(kBits << "-bit partial load of " << len << " at " << j << ", lane " << i << ": " << got[i]);
     }
+    // 4 bits, split by parity: every even start, every length up to a whole pair
+    // (2 kLanes codes, the vector path), the row's last codes included.
+    if constexpr (kBits == 4)
+      for (int j = 0; j < n; j += 2)
+        for (int rest = 1; rest <= std::min(2 * W, n - j); ++rest) {
+          Vec ev, od;
+          load_nibble_pairs(row.data(), j, rest, &ev, &od);
+          float e[W], o[W];
+          ev.store(e);
+          od.store(o);
+          for (int i = 0; i < W; ++i) {
+            const float want_e = 2 * i < rest ? static_cast<float>(documented(j + 2 * i)) : 0.f;
+            const float want_o = 2 * i + 1 < rest ? static_cast<float>(documented(j + 2 * i + 1)) : 0.f;
+            if (e[i] != want_e || o[i] != want_o)
+              FAIL("nibble pairs of " << rest << " at " << j << ", lane " << i << ": " << e[i] << " / " << o[i]
+                                      << " != " << want_e << " / " << want_o);
+          }
+        }
   }
 }
 }  // namespace
