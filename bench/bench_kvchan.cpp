@@ -128,7 +128,7 @@ struct AttnSetup {
 // bits 4 or 8: the packed pool also keeps the dropped dims as a residual (residual.hpp).
 template <class T>
 std::unique_ptr<AttnSetup<T>> make_setup(std::int32_t B, std::int32_t S, std::int32_t rk, std::int32_t rv,
-                                         std::int32_t bits = 0) {
+                                         std::int32_t bits = 0, bool scattered = false) {
   auto s = std::make_unique<AttnSetup<T>>();
   s->B = B, s->Hkv = 3, s->G = 3, s->D = 64, s->S = S, s->W = 128, s->P = 16, s->rk = rk, s->rv = rv;
   const std::int32_t P = s->P, D = s->D, H = s->Hkv;
@@ -159,12 +159,19 @@ std::unique_ptr<AttnSetup<T>> make_setup(std::int32_t B, std::int32_t S, std::in
   s->o_indptr = {0};
   std::vector<std::int32_t> src_pages, dst_pages;  // old pages: full pool -> packed pool
   s->w_indptr = {0};
+  // Packed page ids in allocation order (a sequence's packed pages adjacent and ascending in
+  // memory: one sequence packing alone), or with `scattered` shuffled over the pool as the
+  // full pool's pages are (sequences that pack as they age interleave their pages, and
+  // releases fragment the pool). The dense call reads shuffled pages in both cases.
+  std::vector<std::int32_t> packed_ids(static_cast<std::size_t>(B) * opages);
+  for (std::int32_t& id : packed_ids) id = s->pool->allocate();
+  if (scattered) std::shuffle(packed_ids.begin(), packed_ids.end(), rng);
   for (std::int32_t b = 0; b < B; ++b) {
     for (std::int32_t i = 0; i < pages_per; ++i) {
       const std::int32_t page = perm[static_cast<std::size_t>(b * pages_per + i)];
       s->f_indices.push_back(page);
       if (i < opages) {
-        const std::int32_t pp = s->pool->allocate();
+        const std::int32_t pp = packed_ids[static_cast<std::size_t>(b * opages + i)];
         s->o_indices.push_back(pp);
         src_pages.push_back(page);
         dst_pages.push_back(pp);
@@ -222,8 +229,9 @@ std::unique_ptr<AttnSetup<T>> make_setup(std::int32_t B, std::int32_t S, std::in
   return s;
 }
 
-// Args: B, S, rK, rV, mode (0 drop, 1 key compensation, 4 / 8 residual bits), dram, and
-// the page type (0 float, 1 half_t, 2 bfloat16_t).
+// Args: B, S, rK, rV, mode (0 drop, 1 key compensation, 4 / 8 residual bits), dram, the
+// page type (0 float, 1 half_t, 2 bfloat16_t), and packed pages scattered (1) or in
+// allocation order (0; see make_setup).
 // dram 1: as many independent setups (layers) as make up dram_rotation_bytes (twice the
 // last-level cache), visited in turn, so every call reads its KV from DRAM, as a decode
 // step over a model's layers does; dram 0: one setup, its KV cache-resident after the
@@ -236,12 +244,13 @@ void packed_vs_dense(benchmark::State& state) {
   const std::int32_t bits = state.range(4) >= 4 ? static_cast<std::int32_t>(state.range(4)) : 0;  // residual
   const bool dram = state.range(5) != 0 && !g_small;
   std::vector<std::unique_ptr<AttnSetup<T>>> layers;
-  layers.push_back(make_setup<T>(B, g_small ? 512 : S, rk, rv, bits));
+  const bool scattered = state.range(7) != 0;
+  layers.push_back(make_setup<T>(B, g_small ? 512 : S, rk, rv, bits, scattered));
   if (dram) {
     const AttnSetup<T>& f = *layers.front();
     const std::size_t bytes = (f.fk.size() + f.fv.size()) * sizeof(T) + static_cast<std::size_t>(f.pool->capacity_bytes());
     const std::size_t n = (bench::dram_rotation_bytes(std::size_t{256} << 20) + bytes - 1) / bytes;
-    while (layers.size() < std::max<std::size_t>(n, 2)) layers.push_back(make_setup<T>(B, S, rk, rv, bits));
+    while (layers.size() < std::max<std::size_t>(n, 2)) layers.push_back(make_setup<T>(B, S, rk, rv, bits, scattered));
   }
   const exec::Host ex{1};
   AttnSetup<T>* s = layers.front().get();
@@ -1193,15 +1202,16 @@ int main(int argc, char** argv) {
   if (fidelity) return run_fidelity(models, W, steps, kind, max_prompts);
   // One attention benchmark: mode 0 drop, 1 key compensation, 4 / 8 residual bits (the
   // name's family), dram (_dram), dtype (1: _f16, 2: _bf16 pages); see packed_vs_dense.
-  auto attn = [](std::int64_t B, int rk, int rv, int mode, int dram, int dtype) {
+  auto attn = [](std::int64_t B, int rk, int rv, int mode, int dram, int dtype, int scattered = 0) {
     const std::string family = mode == 1   ? std::string("kvchan_attn_kcomp")
                                : mode == 0 ? std::string("kvchan_attn")
                                            : "kvchan_attn_resid" + std::to_string(mode);
     const std::string name = family + (dram ? "_dram" : "") + (dtype == 1 ? "_f16" : dtype == 2 ? "_bf16" : "") +
+                             (scattered ? "_scattered" : "") +
                              "/B" + std::to_string(B) +
                              "/S4096/rK" + std::to_string(rk) + "/rV" + std::to_string(rv);
     benchmark::RegisterBenchmark(name.c_str(), BM_packed_vs_dense)
-        ->Args({B, 4096, rk, rv, mode, dram, dtype})
+        ->Args({B, 4096, rk, rv, mode, dram, dtype, scattered})
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   };
@@ -1223,6 +1233,10 @@ int main(int argc, char** argv) {
     for (int dram : {0, 1})
       for (int bits : {0, 8, 4})
         for (int r : {16, 32}) attn(8, r, r, bits, dram, dtype);
+  // float16 pages again with the packed pages scattered over their pool like the dense ones.
+  for (int dram : {0, 1})
+    for (int bits : {0, 8, 4})
+      for (int r : {16, 32}) attn(8, r, r, bits, dram, 1, 1);
   for (int op : {0, 1})
     for (auto rr : {std::pair<int, int>{32, 64}, {16, 32}})
       benchmark::RegisterBenchmark((std::string(op == 0 ? "kvchan_pack" : "kvchan_unpack") + (g_small ? "/T512/rK" : "/T4096/rK") +
