@@ -1201,7 +1201,8 @@ int main(int argc, char** argv) {
   }
   if (fidelity) return run_fidelity(models, W, steps, kind, max_prompts);
   // One attention benchmark: mode 0 drop, 1 key compensation, 4 / 8 residual bits (the
-  // name's family), dram (_dram), dtype (1: _f16, 2: _bf16 pages); see packed_vs_dense.
+  // name's family), dram (_dram), dtype (1: _f16, 2: _bf16 pages), packed pages scattered
+  // (_scattered); see packed_vs_dense.
   auto attn = [](std::int64_t B, int rk, int rv, int mode, int dram, int dtype, int scattered = 0) {
     const std::string family = mode == 1   ? std::string("kvchan_attn_kcomp")
                                : mode == 0 ? std::string("kvchan_attn")

@@ -494,8 +494,9 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   const std::int32_t n = old.seq_len(b);
   // Row addresses of a tile: a page walk (no division per token); within a page every
   // array advances by a constant stride per slot. (Prefetching the next tile's rows, as the
-  // dense kernel does, measured no gain here, from L3 or from DRAM, on AVX-512 and on AVX2:
-  // bench/RESULTS.md, 2026-11-29 evening.)
+  // dense kernel does, measured no gain here, from L3 or from DRAM, on AVX-512 and on AVX2,
+  // with packed pages in allocation order or scattered: bench/RESULTS.md, 2026-11-29
+  // evening and night.)
   const std::int64_t kst = old.k_stride_token, vst = old.v_stride_token, rst = res.num_kv_heads;  // per slot
   ResidualRows<T> kr, vr;
   for (std::int32_t t0 = 0; t0 < n; t0 += kResidualTile) {
@@ -570,9 +571,10 @@ inline namespace KVKIT_SIMD_NS {
 /// for a sequence with no tokens, whose out rows are 0). Page subsets and scores out are
 /// not supported here (kInvalidArgument). Threads split the sequences' kv heads into
 /// items of adjacent heads; each head's arithmetic is sequential and the same in any item,
-/// so the result does not depend on the thread count. Never allocates beyond the threads of a call without an executor. Vector code
-/// from kernels/cpu/simd.hpp: a row's codes are decoded (and scaled) once per chunk of
-/// Vec lanes for all the group's queries, never written back to memory.
+/// so the result does not depend on the thread count. Never allocates beyond the threads
+/// of a call without an executor. Vector code from kernels/cpu/simd.hpp: a row's codes are
+/// decoded once per chunk for all the group's queries, never written back to memory, and
+/// its scale is applied once per (query, token).
 template <class T>
 Status residual_channel_attention(exec::Host ex, const PagedKVView<T>& old, ResidualView res,
                                   const T* q,     // [batch, Hq, q_dim]
