@@ -7,6 +7,7 @@
 // (ResidualCase) for the residual tests.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <utility>
@@ -95,23 +96,34 @@ PackCase<T> make_pack_case(std::int32_t heads, std::int32_t k_dim, std::int32_t 
   return c;
 }
 
-/// Residual arrays of one layer (channel/residual.hpp), host-owned, filled with random
-/// bytes and scales so rows a call must not touch stay detectable; `view` points at them.
+/// Residual rows of one layer (channel/residual.hpp) as a pool lays them out, without
+/// the packed rows: per page, K records [page_size, heads] then V records, a record its
+/// codes and then its scale (residual_record with no lead). Host-owned, filled with random
+/// codes and scales so rows a call must not touch stay detectable; `view` points at them.
 struct ResidualCase {
-  std::vector<std::uint8_t> kc, vc;  // [pages, page_size, heads, k_bytes / v_bytes] (+1)
-  std::vector<float> sc;             // [pages, page_size, heads, 2]
+  std::vector<std::uint8_t> bytes;  // [pages, page_size * heads * (krec.bytes + vrec.bytes)] (+1)
+  channel::ResidualRecord krec, vrec;
+  std::int64_t v_base = 0;  // byte offset of a page's V records
   channel::ResidualView view;
   ResidualCase(std::int32_t bits, std::int32_t heads, std::int32_t page_size, std::int32_t pages,
                std::int32_t n_drop_k, std::int32_t n_drop_v, std::mt19937_64& rng) {
-    const std::size_t rows = static_cast<std::size_t>(pages) * page_size * heads;
     const std::int32_t kb = channel::residual_code_bytes(n_drop_k, bits);
     const std::int32_t vb = channel::residual_code_bytes(n_drop_v, bits);
-    kc.resize(rows * kb + 1);
-    vc.resize(rows * vb + 1);
-    for (auto& x : kc) x = static_cast<std::uint8_t>(rng());
-    for (auto& x : vc) x = static_cast<std::uint8_t>(rng());
-    sc = random_vector<float>(rows * 2, rng);
-    view = {kc.data(), vc.data(), sc.data(), bits, kb, vb, page_size, heads, pages};
+    krec = channel::residual_record(0, kb);
+    vrec = channel::residual_record(0, vb);
+    const std::int64_t rows = static_cast<std::int64_t>(page_size) * heads, stride = rows * (krec.bytes + vrec.bytes);
+    v_base = rows * krec.bytes;
+    bytes.resize(static_cast<std::size_t>(pages * stride) + 1);
+    for (auto& x : bytes) x = static_cast<std::uint8_t>(rng());
+    for (std::int64_t r = 0; r < pages * rows; ++r) {  // scales: finite random floats
+      const std::vector<float> sc = random_vector<float>(2, rng);
+      std::uint8_t* page = bytes.data() + r / rows * stride;
+      std::memcpy(page + r % rows * krec.bytes + krec.scale, &sc[0], 4);
+      std::memcpy(page + v_base + r % rows * vrec.bytes + vrec.scale, &sc[1], 4);
+    }
+    view = {bytes.data() + krec.codes, bytes.data() + v_base + vrec.codes,
+            reinterpret_cast<float*>(bytes.data() + krec.scale), reinterpret_cast<float*>(bytes.data() + v_base + vrec.scale),
+            stride, krec.bytes, vrec.bytes, bits, kb, vb, page_size, heads, pages};
   }
 };
 

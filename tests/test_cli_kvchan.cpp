@@ -113,13 +113,15 @@ void check_run(const nlohmann::json& j, const Config& c, const Run& r, bool k_co
 
   // Bytes: the engine keeps full-width K and V pages for the window, the policy rK + rV
   // elements (of the pages' type) per old token and (layer, kv head), plus its metadata;
-  // with a residual, also ceil(dropped dims * bits / 8) code bytes for K and for V and two
-  // float scales.
+  // with a residual, also a record per row for K and for V: ceil(dropped dims * bits / 8)
+  // code bytes, a float scale at the next multiple of 4, and the rows before the records
+  // rounded up to 4 bytes per (layer, page) (PackedPagePool's page block).
   const std::int64_t full_page = 2 * m.layers * m.kv_heads * page * m.head_dim * c.elem_bytes;
-  const auto code_bytes = [&](std::int64_t r) { return ((m.head_dim - r) * c.residual_bits + 7) / 8; };
-  const std::int64_t residual_row = c.residual_bits == 0 ? 0 : code_bytes(c.rk) + code_bytes(c.rv) + 8;
-  const std::int64_t packed_expected =
-      (old / page) * m.layers * m.kv_heads * page * ((c.rk + c.rv) * c.elem_bytes + residual_row);
+  const auto up4 = [](std::int64_t x) { return (x + 3) / 4 * 4; };
+  const auto record = [&](std::int64_t r) { return up4(((m.head_dim - r) * c.residual_bits + 7) / 8) + 4; };
+  const std::int64_t rows = m.kv_heads * page, exact = rows * (c.rk + c.rv) * c.elem_bytes;
+  const std::int64_t block = c.residual_bits == 0 ? exact : up4(exact) + rows * (record(c.rk) + record(c.rv));
+  const std::int64_t packed_expected = (old / page) * m.layers * block;
   const std::int64_t packed = i64(j, "kvchan_packed_bytes");
   const std::int64_t meta = i64(j, "kvchan_metadata_bytes");
   REQUIRE(packed == packed_expected);

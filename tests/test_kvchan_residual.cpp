@@ -54,7 +54,16 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
   auto full = c.full_view(c.fk.data(), c.fv.data());
   auto packed = c.packed_view(c.pk.data(), c.pv.data());
   test::ResidualCase ra(bits, c.heads, c.page_size, c.packed_g.num_pages, c.k_dim - c.rk, c.v_dim - c.rv, rng);
-  const std::vector<std::uint8_t> kc0 = ra.kc;
+  const std::vector<std::uint8_t> bytes0 = ra.bytes;
+  // The documented record: codes, then the scale at the next multiple of 4.
+  const std::int64_t kb = ra.view.k_bytes;
+  CHECK(ra.krec.codes == 0);
+  CHECK(ra.krec.scale == (kb + 3) / 4 * 4);
+  CHECK(ra.krec.bytes == ra.krec.scale + 4);
+  CHECK(ra.vrec.scale == (ra.view.v_bytes + 3) / 4 * 4);
+  CHECK(channel::residual_record(6, 5).codes == 6);  // a 3-half row, then 5 code bytes: scale at 12
+  CHECK(channel::residual_record(6, 5).scale == 12);
+  CHECK(channel::residual_record(6, 5).bytes == 16);
   REQUIRE(channel::pack_channel_pages(ex, full, packed, c.kch.data(), c.vch.data(), c.full_pages.data(),
                                       c.packed_pages.data(), c.n_pages, c.n_tokens)
               .is_ok());
@@ -75,11 +84,14 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
         const std::vector<std::int32_t> drop = complement((k ? c.kch : c.vch).data() + h * r, r, dim);
         const T* x = k ? c.fk.data() + full.k_offset(src, slot, h) : c.fv.data() + full.v_offset(src, slot, h);
         reference_row(x, drop, bits, code, s);
-        // The documented layout: [page, slot, head] rows.
-        const std::int64_t row = (static_cast<std::int64_t>(dst) * c.page_size + slot) * c.heads + h;
-        CHECK(ra.view.row(dst, slot, h) == row);
-        CHECK(ra.sc[static_cast<std::size_t>(2 * row + which)] == s);
-        const std::uint8_t* bytes = k ? ra.kc.data() + row * ra.view.k_bytes : ra.vc.data() + row * ra.view.v_bytes;
+        // The documented layout: page dst's K (or V) records, record slot * heads + h.
+        const std::int64_t row = static_cast<std::int64_t>(slot) * c.heads + h;
+        const std::uint8_t* rec = ra.bytes.data() + dst * ra.view.page_stride +
+                                  (k ? row * ra.krec.bytes : ra.v_base + row * ra.vrec.bytes);
+        float s_got = 0.f;
+        std::memcpy(&s_got, rec + (k ? ra.krec.scale : ra.vrec.scale), 4);
+        CHECK(s_got == s);
+        const std::uint8_t* bytes = rec + (k ? ra.krec.codes : ra.vrec.codes);
         for (std::size_t j = 0; j < drop.size(); ++j) {
           std::int32_t got = bits == 8 ? static_cast<std::int8_t>(bytes[j])
                                        : (bytes[j / 2] >> ((j % 2) * 4)) & 0xF;
@@ -97,9 +109,8 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
   // Rows outside the written pages are untouched.
   for (std::int32_t p = 0; p < c.packed_g.num_pages; ++p) {
     if (std::find(c.packed_pages.begin(), c.packed_pages.end(), p) != c.packed_pages.end()) continue;
-    const std::size_t a = static_cast<std::size_t>(ra.view.row(p, 0, 0)) * ra.view.k_bytes;
-    const std::size_t b = static_cast<std::size_t>(ra.view.row(p + 1, 0, 0)) * ra.view.k_bytes;
-    CHECK(std::equal(ra.kc.begin() + a, ra.kc.begin() + b, kc0.begin() + a));
+    const std::size_t a = static_cast<std::size_t>(p * ra.view.page_stride), b = a + ra.view.page_stride;
+    CHECK(std::equal(ra.bytes.begin() + a, ra.bytes.begin() + b, bytes0.begin() + a));
   }
   // Unpack both parts into a fresh full-width pool at other page ids.
   std::vector<T> bk = test::random_vector<T>(c.fk.size(), rng), bv = test::random_vector<T>(c.fv.size(), rng);
@@ -336,7 +347,7 @@ TEST_CASE("residual: bad bits, geometry and head dims are rejected naming the va
   PackCase<float> cc = c;
   auto full = cc.full_view(cc.fk.data(), cc.fv.data());
   test::ResidualCase ra(8, 2, 4, cc.packed_g.num_pages, 5, 3, rng);
-  const std::vector<std::uint8_t> kc0 = ra.kc;
+  const std::vector<std::uint8_t> bytes0 = ra.bytes;
   auto msg = [](const Status& s) { return s.to_string(); };
   channel::ResidualView bad = ra.view;
   bad.bits = 3;
@@ -356,7 +367,26 @@ TEST_CASE("residual: bad bits, geometry and head dims are rejected naming the va
                                    cc.full_pages.data(), bad_pages.data(), cc.n_pages, cc.n_tokens);
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK(msg(s).find("999") != std::string::npos);
-  CHECK(ra.kc == kc0);  // nothing written by any failed call
+  // Strides: K records of 5 codes + scale take 12 bytes, 8 of them a page of 4 slots x 2
+  // heads, 96 bytes; floats need multiples of 4.
+  for (std::int64_t stride : {92, 98}) {
+    bad = ra.view;
+    bad.page_stride = stride;
+    s = channel::pack_residual_pages(exec::Host{1}, full, bad, cc.kch.data(), cc.vch.data(), 3, 5,
+                                     cc.full_pages.data(), cc.packed_pages.data(), cc.n_pages, cc.n_tokens);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(msg(s).find("page stride " + std::to_string(stride) + " bytes: needs a multiple of 4, at least 96") !=
+          std::string::npos);
+  }
+  for (std::int64_t stride : {4, 14}) {
+    bad = ra.view;
+    bad.k_row_stride = stride;
+    s = channel::pack_residual_pages(exec::Host{1}, full, bad, cc.kch.data(), cc.vch.data(), 3, 5,
+                                     cc.full_pages.data(), cc.packed_pages.data(), cc.n_pages, cc.n_tokens);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(msg(s).find("row strides (" + std::to_string(stride) + ", 8) bytes") != std::string::npos);
+  }
+  CHECK(ra.bytes == bytes0);  // nothing written by any failed call
   // Head dims past the kernels' stack arrays.
   KVGeometry g{1, 320, 4, 2, 320};
   std::vector<float> big(2 * 4 * 320);
@@ -381,8 +411,13 @@ TEST_CASE("residual: pool bytes count the codes and scales", "[kvchan][residual]
   // 2 layers, 3 heads, K 5 of 16 dims (11 dropped), V 16 of 16 (none), page 4, half pages.
   channel::PackedPagePool<half_t> p4(2, 3, 5, 16, 4, 4, 16, 16), p8(2, 3, 5, 16, 4, 8, 16, 16), p0(2, 3, 5, 16, 4);
   CHECK(p0.page_bytes() == 4 * 3 * 2 * (5 + 16) * 2);
-  CHECK(p4.page_bytes() == 4 * 3 * 2 * ((5 + 16) * 2 + 6 + 0 + 8));   // ceil(11 * 4 / 8) = 6 code bytes
-  CHECK(p8.page_bytes() == 4 * 3 * 2 * ((5 + 16) * 2 + 11 + 0 + 8));  // 11 code bytes
+  // ceil(11 * 4 / 8) = 6 code bytes, the K scale at 8 (2 bytes of padding); a V record is
+  // its scale alone.
+  CHECK(p4.page_bytes() == 4 * 3 * 2 * ((5 + 16) * 2 + 12 + 4));
+  // 11 code bytes: the scale at 12 (1 byte of padding), a record of 16 bytes; V none.
+  CHECK(p8.page_bytes() == 4 * 3 * 2 * ((5 + 16) * 2 + 16 + 4));
+  CHECK(p8.residual(0).k_row_stride == 16);
+  CHECK(p8.residual(0).v_row_stride == 4);
   const std::int32_t a = p4.allocate(), b = p4.allocate();
   CHECK(a != b);
   CHECK(p4.bytes_in_use() == 2 * p4.page_bytes());

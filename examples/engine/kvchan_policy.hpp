@@ -292,9 +292,8 @@ class KvchanPolicy : public EnginePolicy {
     if (opt_.params.residual_bits == 0) return;
     // The dropped dims as the residual attention reads them: scale * code.
     const channel::ResidualView res = p.packed->residual(layer);
-    const std::int64_t row = res.row(page, slot, head);
-    channel::read_residual(res, row, /*values=*/false, sel_->packed_k(layer) + head * rk, rk, D, k);
-    channel::read_residual(res, row, /*values=*/true, sel_->packed_v(layer) + head * rv, rv, D, v);
+    channel::read_residual(res, page, slot, head, /*values=*/false, sel_->packed_k(layer) + head * rk, rk, D, k);
+    channel::read_residual(res, page, slot, head, /*values=*/true, sel_->packed_v(layer) + head * rv, rv, D, v);
   }
 
   struct SeqState {

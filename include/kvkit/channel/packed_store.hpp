@@ -1,9 +1,9 @@
 #pragma once
 // Storage and attention of the ChannelSelector's packed tokens.
 //
-// PackedPagePool: a policy-owned page pool (one K and one V array per layer, NHD pages
-// of [page_size, Hkv, k_dim] / [page_size, Hkv, v_dim]) whose page ids are shared by all
-// layers, like an engine's pool. The ChannelSelector keeps a sequence's tokens older than
+// PackedPagePool: a policy-owned page pool (one array per layer of page blocks, each a
+// page's NHD K rows [page_size, Hkv, k_dim], V rows [page_size, Hkv, v_dim] and residual)
+// whose page ids are shared by all layers, like an engine's pool. The ChannelSelector keeps a sequence's tokens older than
 // the full-width window in pages of such a pool with k_dim = rK, v_dim = rV, so their
 // bytes are rK/D and rV/D of the full-width bytes (the engine's full-width pages of those
 // tokens are given back to the engine). bytes_in_use() counts the pages handed out; the
@@ -42,7 +42,13 @@ namespace kvkit {
 namespace channel {
 
 /// A growable page pool of K rows of k_dim and V rows of v_dim elements per (token, head),
-/// one K and one V array per layer, page ids shared by the layers (see the file comment).
+/// one array per layer, page ids shared by the layers (see the file comment). Each layer
+/// keeps a page in one block, page p at p * page stride: K rows [page_size, Hkv, k_dim],
+/// V rows [page_size, Hkv, v_dim] and, with a residual, K records [page_size, Hkv] and V
+/// records [page_size, Hkv], a record a row's codes and its scale (residual_record). A
+/// sequence's pages come in any order after interleaved packing and releases; a block per
+/// page keeps each page's parts together so that its next page can be prefetched as one
+/// span (residual_channel_attention).
 template <class T>
 class PackedPagePool {
  public:
@@ -58,17 +64,18 @@ class PackedPagePool {
                 " heads=", n_kv_heads, " k_dim=", k_dim, " v_dim=", v_dim, " page_size=", page_size);
     KVKIT_CHECK(residual_bits == 0 || residual_bits == 4 || residual_bits == 8,
                 "kvchan: residual bits must be 0, 4 or 8, got ", residual_bits);
+    const std::int64_t rows = static_cast<std::int64_t>(page_size_) * heads_;
+    block_ = rows * (kdim_ + vdim_) * static_cast<std::int64_t>(sizeof(T));
     if (rbits_ != 0) {
       KVKIT_CHECK(full_k_dim >= k_dim && full_v_dim >= v_dim, "kvchan: residual full dims (", full_k_dim, ", ",
                   full_v_dim, ") below the packed dims (", k_dim, ", ", v_dim, ")");
       kbytes_ = residual_code_bytes(full_k_dim - k_dim, rbits_);
       vbytes_ = residual_code_bytes(full_v_dim - v_dim, rbits_);
+      kres_ = (block_ + 3) / 4 * 4;
+      vres_ = kres_ + rows * residual_record(0, kbytes_).bytes;
+      block_ = vres_ + rows * residual_record(0, vbytes_).bytes;
     }
-    k_.resize(static_cast<std::size_t>(layers_));
-    v_.resize(static_cast<std::size_t>(layers_));
-    kr_.resize(static_cast<std::size_t>(layers_));
-    vr_.resize(static_cast<std::size_t>(layers_));
-    sc_.resize(static_cast<std::size_t>(layers_));
+    blocks_.resize(static_cast<std::size_t>(layers_));
   }
 
   /// A free page id (the pool doubles its capacity, at least 16 pages, when none is free).
@@ -94,63 +101,77 @@ class PackedPagePool {
   std::int32_t k_dim() const { return kdim_; }
   std::int32_t v_dim() const { return vdim_; }
   std::int32_t page_size() const { return page_size_; }
-  /// K + V bytes of one page id over all layers (residual codes and scales included).
-  std::int64_t page_bytes() const {
-    return static_cast<std::int64_t>(page_size_) * heads_ * layers_ *
-           ((kdim_ + vdim_) * static_cast<std::int64_t>(sizeof(T)) + residual_row_bytes());
-  }
+  /// Bytes of one page id over all layers: K and V rows and, with a residual, the codes
+  /// and scales, with the 0-3 bytes that align each scale and the records.
+  std::int64_t page_bytes() const { return block_ * layers_; }
   /// Residual bytes of one (token, head): K and V codes plus two float scales (0: none).
   std::int64_t residual_row_bytes() const {
     return rbits_ == 0 ? 0 : kbytes_ + vbytes_ + 2 * static_cast<std::int64_t>(sizeof(float));
   }
   std::int32_t residual_bits() const { return rbits_; }
-  /// The residual arrays of one layer (residual_bits() must be non-zero).
+  /// The residual rows of one layer (residual_bits() must be non-zero).
   ResidualView residual(std::int32_t layer) {
     KVKIT_CHECK(rbits_ != 0, "kvchan: this pool keeps no residual");
-    const std::size_t l = static_cast<std::size_t>(layer);
-    return {kr_.at(l).data(), vr_.at(l).data(), sc_.at(l).data(), rbits_, kbytes_, vbytes_,
-            page_size_, heads_, std::max(1, capacity_)};
+    const ResidualRecord kr = residual_record(0, kbytes_), vr = residual_record(0, vbytes_);
+    ResidualView r{nullptr, nullptr, nullptr, nullptr, block_, kr.bytes, vr.bytes, rbits_, kbytes_, vbytes_,
+                   page_size_, heads_, std::max(1, capacity_)};
+    std::uint8_t* b = bytes(layer);
+    if (b == nullptr) return r;  // no page yet: null rows, which the kernels' checks reject
+    r.k_codes = b + kres_ + kr.codes;
+    r.v_codes = b + vres_ + vr.codes;
+    r.k_scales = reinterpret_cast<float*>(b + kres_ + kr.scale);
+    r.v_scales = reinterpret_cast<float*>(b + vres_ + vr.scale);
+    return r;
   }
   std::int64_t bytes_in_use() const { return page_bytes() * in_use_; }
   std::int64_t peak_bytes() const { return page_bytes() * peak_; }
   std::int64_t capacity_bytes() const { return page_bytes() * capacity_; }
 
-  /// Geometry and strides of one layer's arrays (NHD, densely packed).
+  /// Geometry and strides (elements) of one layer's K and V rows: NHD in page blocks.
   KVGeometry geometry() const { return {heads_, kdim_, page_size_, std::max(1, capacity_), vdim_}; }
-  KVStrides k_strides() const { return packed_strides(geometry(), KVLayout::kNHD); }
-  KVStrides v_strides() const { return packed_v_strides(geometry(), KVLayout::kNHD); }
-  T* k(std::int32_t layer) { return k_.at(static_cast<std::size_t>(layer)).data(); }
-  T* v(std::int32_t layer) { return v_.at(static_cast<std::size_t>(layer)).data(); }
-  /// Row of (layer, page, slot, head) in the K / V arrays.
+  KVStrides k_strides() const { return strides(kdim_); }
+  KVStrides v_strides() const { return strides(vdim_); }
+  T* k(std::int32_t layer) { return reinterpret_cast<T*>(bytes(layer)); }
+  T* v(std::int32_t layer) {
+    std::uint8_t* k0 = bytes(layer);
+    return k0 == nullptr ? nullptr
+                         : reinterpret_cast<T*>(k0) + static_cast<std::int64_t>(page_size_) * heads_ * kdim_;
+  }
+  /// Row of (layer, page, slot, head) in the K / V rows.
   T* k_row(std::int32_t layer, std::int32_t page, std::int32_t slot, std::int32_t head) {
-    return k(layer) + ((static_cast<std::int64_t>(page) * page_size_ + slot) * heads_ + head) * kdim_;
+    const KVStrides s = k_strides();
+    return k(layer) + page * s.page + slot * s.token + head * s.head;
   }
   T* v_row(std::int32_t layer, std::int32_t page, std::int32_t slot, std::int32_t head) {
-    return v(layer) + ((static_cast<std::int64_t>(page) * page_size_ + slot) * heads_ + head) * vdim_;
+    const KVStrides s = v_strides();
+    return v(layer) + page * s.page + slot * s.token + head * s.head;
   }
 
  private:
+  // Cache-line aligned storage; blocks follow each other (a block's bytes are a multiple of
+  // 4 with a residual, of sizeof(T) without, so every block's parts stay aligned).
+  struct alignas(64) Line {
+    std::uint8_t b[64];
+  };
+  KVStrides strides(std::int64_t dim) const {
+    return {block_ / static_cast<std::int64_t>(sizeof(T)), heads_ * dim, dim};
+  }
+  std::uint8_t* bytes(std::int32_t layer) {
+    std::vector<Line>& a = blocks_.at(static_cast<std::size_t>(layer));
+    return a.empty() ? nullptr : a.data()->b;
+  }
   void grow(std::int32_t cap) {
-    const std::size_t kp = static_cast<std::size_t>(page_size_) * heads_ * kdim_;
-    const std::size_t vp = static_cast<std::size_t>(page_size_) * heads_ * vdim_;
-    const std::size_t rows = static_cast<std::size_t>(page_size_) * heads_ * static_cast<std::size_t>(cap);
-    for (std::size_t l = 0; l < k_.size(); ++l) {
-      k_[l].resize(kp * static_cast<std::size_t>(cap), from_float<T>(0.f));
-      v_[l].resize(vp * static_cast<std::size_t>(cap), from_float<T>(0.f));
-      if (rbits_ == 0) continue;
-      kr_[l].resize(rows * static_cast<std::size_t>(kbytes_) + 1, 0);  // +1: a valid pointer when 0 bytes
-      vr_[l].resize(rows * static_cast<std::size_t>(vbytes_) + 1, 0);
-      sc_[l].resize(rows * 2, 0.f);
-    }
+    const std::size_t lines = static_cast<std::size_t>((block_ * cap + 63) / 64);
+    for (auto& a : blocks_) a.resize(lines, Line{});  // zeroed; old pages keep their offsets
     for (std::int32_t p = cap - 1; p >= capacity_; --p) free_.push_back(p);  // lowest id first out
     capacity_ = cap;
   }
 
   std::int32_t layers_, heads_, kdim_, vdim_, page_size_;
   std::int32_t rbits_ = 0, kbytes_ = 0, vbytes_ = 0;  // residual bits, code bytes per K / V row
-  std::vector<std::vector<T>> k_, v_;  // [n_layers][capacity * page elements]
-  std::vector<std::vector<std::uint8_t>> kr_, vr_;  // [n_layers][capacity * page_size * Hkv * k/v bytes]
-  std::vector<std::vector<float>> sc_;              // [n_layers][capacity * page_size * Hkv * 2]
+  std::int64_t kres_ = 0, vres_ = 0;  // byte offsets of the K / V residual records in a block
+  std::int64_t block_ = 0;            // bytes of one page of one layer
+  std::vector<std::vector<Line>> blocks_;               // [n_layers][capacity * block_ bytes, rounded up]
   std::vector<std::int32_t> free_;
   std::int32_t capacity_ = 0, in_use_ = 0, peak_ = 0;
 };

@@ -16,8 +16,8 @@
 //   (up to the float rounding of x / s and s * c_j).
 // Storage per row: ceil(n b / 8) code bytes (8 bits: one int8 per code; 4 bits: code j in
 // the low nibble of byte j / 2 when j is even, the high nibble when odd, two's complement)
-// and the float s; one K and one V residual per (page, slot, kv head), next to the packed
-// rows in the same page id of a PackedPagePool (packed_store.hpp).
+// and the float s; one K and one V residual per (page, slot, kv head), in the same page
+// block as the packed rows of that page id of a PackedPagePool (packed_store.hpp).
 //
 // residual_channel_attention: decode attention over packed pages plus their residual,
 //   score_t = sm_scale * (sum_{c < r} q[S_c] k_t[c] + sum_j q[R_j] (s_t c_tj))
@@ -60,12 +60,21 @@ KVKIT_HOST_DEVICE std::int32_t residual_code_bytes(std::int32_t n, std::int32_t 
   return (n * bits + 7) / 8;
 }
 
-/// The residual arrays of one layer of a pool (views own nothing; pass by value). Row
-/// (page, slot, head) has k_bytes K code bytes, v_bytes V code bytes and two scales.
+/// The residual rows of one layer of a pool (views own nothing; pass by value). Row
+/// (page, slot, head) has k_bytes K code bytes at k_codes + page * page_stride + (slot *
+/// num_kv_heads + head) * k_row_stride and its float K scale at the same offset from
+/// k_scales; V likewise with v_codes, v_scales and v_row_stride (offsets in bytes). A
+/// PackedPagePool keeps them as records (codes, then the scale: residual_record) in the
+/// page's block, after its packed rows (packed_store.hpp), so a page is one span of memory
+/// to prefetch; separate arrays work as well.
 struct ResidualView {
-  std::uint8_t* k_codes = nullptr;  // [num_pages_total, page_size, Hkv, k_bytes]
-  std::uint8_t* v_codes = nullptr;  // [num_pages_total, page_size, Hkv, v_bytes]
-  float* scales = nullptr;          // [num_pages_total, page_size, Hkv, 2] (K scale, V scale)
+  std::uint8_t* k_codes = nullptr;  // [num_pages_total, page_size, Hkv] rows of k_bytes, strides below
+  std::uint8_t* v_codes = nullptr;  // [num_pages_total, page_size, Hkv] rows of v_bytes
+  float* k_scales = nullptr;        // [num_pages_total, page_size, Hkv], strides below
+  float* v_scales = nullptr;        // [num_pages_total, page_size, Hkv]
+  std::int64_t page_stride = 0;     // bytes from page p to p + 1 (every part)
+  std::int64_t k_row_stride = 0;    // bytes from row (slot, head) to the next (K codes and scales)
+  std::int64_t v_row_stride = 0;    // bytes from row to row (V codes and scales)
   std::int32_t bits = 0;            // 4 or 8
   std::int32_t k_bytes = 0;         // code bytes per K row: residual_code_bytes(D - rK, bits)
   std::int32_t v_bytes = 0;         // code bytes per V row: residual_code_bytes(Dv - rV, bits)
@@ -73,10 +82,40 @@ struct ResidualView {
   std::int32_t num_kv_heads = 0;
   std::int32_t num_pages_total = 0;
 
-  KVKIT_HOST_DEVICE std::int64_t row(std::int32_t page, std::int32_t slot, std::int32_t head) const {
-    return (static_cast<std::int64_t>(page) * page_size + slot) * num_kv_heads + head;
+  /// Byte offset of row (page, slot, head) from a part's base, at `row_stride`.
+  KVKIT_HOST_DEVICE std::int64_t offset(std::int32_t page, std::int32_t slot, std::int32_t head,
+                                        std::int64_t row_stride) const {
+    return page * page_stride + (static_cast<std::int64_t>(slot) * num_kv_heads + head) * row_stride;
+  }
+  /// The K / V codes and scales of row (page, slot, head).
+  KVKIT_HOST_DEVICE std::uint8_t* k_row(std::int32_t page, std::int32_t slot, std::int32_t head) const {
+    return k_codes + offset(page, slot, head, k_row_stride);
+  }
+  KVKIT_HOST_DEVICE std::uint8_t* v_row(std::int32_t page, std::int32_t slot, std::int32_t head) const {
+    return v_codes + offset(page, slot, head, v_row_stride);
+  }
+  KVKIT_HOST_DEVICE float* k_scale(std::int32_t page, std::int32_t slot, std::int32_t head) const {
+    return reinterpret_cast<float*>(reinterpret_cast<std::uint8_t*>(k_scales) + offset(page, slot, head, k_row_stride));
+  }
+  KVKIT_HOST_DEVICE float* v_scale(std::int32_t page, std::int32_t slot, std::int32_t head) const {
+    return reinterpret_cast<float*>(reinterpret_cast<std::uint8_t*>(v_scales) + offset(page, slot, head, v_row_stride));
   }
 };
+
+/// A residual record: `lead` bytes of other data (a pool's packed row; 0: none), the
+/// code bytes, then the float scale at the next multiple of 4. Offsets of the codes and
+/// the scale, and the record's bytes (a multiple of 4, so records of 2- and 4-byte
+/// elements stay aligned).
+struct ResidualRecord {
+  std::int64_t codes = 0, scale = 0, bytes = 0;
+};
+KVKIT_HOST_DEVICE ResidualRecord residual_record(std::int64_t lead, std::int32_t code_bytes) {
+  ResidualRecord r;
+  r.codes = lead;
+  r.scale = (lead + code_bytes + 3) / 4 * 4;
+  r.bytes = r.scale + 4;
+  return r;
+}
 
 namespace detail {
 
@@ -138,7 +177,17 @@ inline Status check_residual(const ResidualView& res, std::int32_t heads, std::i
                          res.v_bytes == residual_code_bytes(n_drop_v, res.bits),
                      StatusCode::kInvalidArgument, op, ": residual code bytes (", res.k_bytes, ", ", res.v_bytes,
                      ") do not fit ", n_drop_k, " and ", n_drop_v, " dropped dims at ", res.bits, " bits");
-  KVKIT_CHECK_STATUS(res.scales != nullptr && (res.k_bytes == 0 || res.k_codes != nullptr) &&
+  // Rows need their codes and a scale (4-byte aligned); a page holds its rows.
+  const std::int64_t rows = static_cast<std::int64_t>(res.page_size) * res.num_kv_heads;
+  KVKIT_CHECK_STATUS(res.k_row_stride % 4 == 0 && res.k_row_stride >= std::max(4, res.k_bytes) &&
+                         res.v_row_stride % 4 == 0 && res.v_row_stride >= std::max(4, res.v_bytes),
+                     StatusCode::kInvalidArgument, op, ": residual row strides (", res.k_row_stride, ", ",
+                     res.v_row_stride, ") bytes: need multiples of 4 that hold a row's codes (", res.k_bytes, ", ",
+                     res.v_bytes, ")");
+  KVKIT_CHECK_STATUS(res.page_stride % 4 == 0 && res.page_stride >= rows * std::max(res.k_row_stride, res.v_row_stride),
+                     StatusCode::kInvalidArgument, op, ": residual page stride ", res.page_stride,
+                     " bytes: needs a multiple of 4, at least ", rows * std::max(res.k_row_stride, res.v_row_stride));
+  KVKIT_CHECK_STATUS(res.k_scales != nullptr && res.v_scales != nullptr && (res.k_bytes == 0 || res.k_codes != nullptr) &&
                          (res.v_bytes == 0 || res.v_codes != nullptr),
                      StatusCode::kInvalidArgument, op, ": residual arrays are null");
   return Status::ok();
@@ -196,12 +245,12 @@ Status check_residual_attention_args(const Exec& ex, const PagedKVView<T>& old, 
 /// they read back, s * code rounded to Out; the selected dims set[0, r) (ascending) are not
 /// touched. For a host-side reader of single rows (the engine host's read_token).
 template <class Out>
-void read_residual(const ResidualView& res, std::int64_t row, bool values, const std::int32_t* set, std::int32_t r,
-                   std::int32_t dim, Out* x) {
+void read_residual(const ResidualView& res, std::int32_t page, std::int32_t slot, std::int32_t head, bool values,
+                   const std::int32_t* set, std::int32_t r, std::int32_t dim, Out* x) {
   std::int32_t drop[kMaxResidualDim];
   detail::dropped_channels(set, r, dim, drop);
-  const std::uint8_t* codes = values ? res.v_codes + row * res.v_bytes : res.k_codes + row * res.k_bytes;
-  const float sc = res.scales[2 * row + (values ? 1 : 0)];
+  const std::uint8_t* codes = values ? res.v_row(page, slot, head) : res.k_row(page, slot, head);
+  const float sc = *(values ? res.v_scale(page, slot, head) : res.k_scale(page, slot, head));
   for (std::int32_t j = 0; j < dim - r; ++j)
     x[drop[j]] = from_float<Out>(sc * static_cast<float>(detail::residual_code(codes, j, res.bits)));
 }
@@ -228,13 +277,12 @@ Status pack_residual_pages(exec::Host ex, PagedKVView<T> full, ResidualView res,
                               [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
     std::int32_t kd[kMaxResidualDim], vd[kMaxResidualDim];
     for (std::int32_t h = 0; h < H; ++h) {
-      const std::int64_t row = res.row(dst, s, h);
       detail::dropped_channels(k_channels + static_cast<std::int64_t>(h) * rk, rk, D, kd);
       detail::dropped_channels(v_channels + static_cast<std::int64_t>(h) * rv, rv, Dv, vd);
       detail::quantize_residual_row(full.k_data + full.k_offset(src, s, h), kd, D - rk, res.bits,
-                                    res.k_codes + row * res.k_bytes, res.scales + 2 * row);
+                                    res.k_row(dst, s, h), res.k_scale(dst, s, h));
       detail::quantize_residual_row(full.v_data + full.v_offset(src, s, h), vd, Dv - rv, res.bits,
-                                    res.v_codes + row * res.v_bytes, res.scales + 2 * row + 1);
+                                    res.v_row(dst, s, h), res.v_scale(dst, s, h));
     }
   });
   return Status::ok();
@@ -260,10 +308,9 @@ Status unpack_residual_pages(exec::Host ex, ResidualView res, PagedKVView<T> ful
   detail::for_each_page_token(ex, src_pages, dst_pages, n_pages, n_tokens, P,
                               [&](std::int32_t src, std::int32_t dst, std::int32_t s) {
     for (std::int32_t h = 0; h < H; ++h) {
-      const std::int64_t row = res.row(src, s, h);
-      read_residual(res, row, /*values=*/false, k_channels + static_cast<std::int64_t>(h) * rk, rk, D,
+      read_residual(res, src, s, h, /*values=*/false, k_channels + static_cast<std::int64_t>(h) * rk, rk, D,
                     full.k_data + full.k_offset(dst, s, h));
-      read_residual(res, row, /*values=*/true, v_channels + static_cast<std::int64_t>(h) * rv, rv, Dv,
+      read_residual(res, src, s, h, /*values=*/true, v_channels + static_cast<std::int64_t>(h) * rv, rv, Dv,
                     full.v_data + full.v_offset(dst, s, h));
     }
   });
@@ -290,6 +337,51 @@ struct ResidualRows {
   const T* x[kResidualTile];             // [kResidualTile] rows of r elements
   const std::uint8_t* c[kResidualTile];  // [kResidualTile] rows of codes
   const float* s[kResidualTile];         // [kResidualTile] scales
+};
+
+/// Byte spans of the next tile (its rows, codes and scales) prefetched into L2 while this
+/// tile is processed, a few lines per step, as the dense kernel spreads its prefetches
+/// (attention.hpp): a sequence's next page may lie anywhere, where the hardware
+/// prefetchers do not follow, and a burst of prefetches at the tile's start would queue
+/// behind each other instead of overlapping the arithmetic. Prefetching is a hint: spans
+/// past kMaxSpans are left to the hardware.
+struct SpanPrefetch {
+  static constexpr int kMaxSpans = 64;
+  const char* begin[kMaxSpans];
+  const char* end[kMaxSpans];
+  int n = 0, cur = 0;
+  const char* at = nullptr;  // next line of span cur
+  /// Adds [p, p + bytes), merged into the last span when they overlap or touch.
+  void add(const void* p, std::int64_t bytes) {
+    const char* b = static_cast<const char*>(p);
+    const char* e = b + bytes;
+    if (n > 0 && b >= begin[n - 1] && b <= end[n - 1]) {
+      end[n - 1] = std::max(end[n - 1], e);
+      return;
+    }
+    if (n == kMaxSpans) return;
+    begin[n] = b;
+    end[n] = e;
+    if (n++ == 0) at = b;
+  }
+  std::int64_t lines() const {
+    std::int64_t l = 0;
+    for (int i = 0; i < n; ++i) l += (end[i] - begin[i] + 63) / 64;
+    return l;
+  }
+  /// Prefetches up to `count` more lines.
+  void issue(std::int64_t count) {
+    for (; count > 0 && cur < n; --count) {
+#if defined(__GNUC__) || defined(__clang__)
+      __builtin_prefetch(at, 0, 2);  // x86: prefetcht1 (L2), as the dense kernel
+#endif
+      if (end[cur] - at > 64)
+        at += 64;
+      else if (++cur < n)
+        at = begin[cur];
+    }
+  }
+  void reset() { n = cur = 0; }
 };
 
 /// Vectors one coded chunk of a row decodes into: 4 bits two (its even and its odd codes,
@@ -493,14 +585,46 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   constexpr int NT = kResidualStep;
   const std::int32_t n = old.seq_len(b);
   // Row addresses of a tile: a page walk (no division per token); within a page every
-  // array advances by a constant stride per slot. (Prefetching the next tile's rows, as the
-  // dense kernel does, measured no gain here, from L3 or from DRAM, on AVX-512 and on AVX2,
-  // with packed pages in allocation order or scattered: bench/RESULTS.md, 2026-11-29
-  // evening and night.)
-  const std::int64_t kst = old.k_stride_token, vst = old.v_stride_token, rst = res.num_kv_heads;  // per slot
+  // part advances by a constant stride per slot. The next tile is prefetched a few lines
+  // per step (SpanPrefetch): with a sequence's pages scattered over the pool, as a
+  // long-running pool leaves them, that took the kernel from 1.0-1.2x dense to 0.78-0.90x
+  // on the AVX2 EPYC; a burst at the tile's start, tried before, gained nothing
+  // (bench/RESULTS.md, 2026-11-29 night and 2026-11-30).
+  const std::int64_t kst = old.k_stride_token, vst = old.v_stride_token;  // per slot, elements
+  const std::int64_t krs = res.num_kv_heads * res.k_row_stride, vrs = res.num_kv_heads * res.v_row_stride;  // bytes
   ResidualRows<T> kr, vr;
+  SpanPrefetch pf;
+  // The next tile's spans for heads [h0, h0 + nh): per page run, its K and V rows, codes
+  // and scales from the first (slot, head) to the last.
+  auto plan_prefetch = [&](std::int32_t t1) {
+    pf.reset();
+    const std::int32_t e1 = std::min(n, t1 + kResidualTile), hl = h0 + nh - 1;
+    for (std::int32_t t = t1; t < e1;) {
+      const std::int32_t page = old.page_id(b, t / old.page_size), s0 = t % old.page_size;
+      const std::int32_t s1 = std::min(old.page_size, s0 + (e1 - t)) - 1;  // last slot
+      auto span = [&](const void* first, const void* last, std::int64_t last_bytes) {
+        const char* f = static_cast<const char*>(first);
+        pf.add(f, static_cast<const char*>(last) - f + last_bytes);
+      };
+      span(old.k_data + old.k_offset(page, s0, h0), old.k_data + old.k_offset(page, s1, hl), rk * sizeof(T));
+      span(old.v_data + old.v_offset(page, s0, h0), old.v_data + old.v_offset(page, s1, hl), rv * sizeof(T));
+      span(res.k_row(page, s0, h0), res.k_row(page, s1, hl), res.k_bytes);
+      span(res.k_scale(page, s0, h0), res.k_scale(page, s1, hl), 4);
+      span(res.v_row(page, s0, h0), res.v_row(page, s1, hl), res.v_bytes);
+      span(res.v_scale(page, s0, h0), res.v_scale(page, s1, hl), 4);
+      t += s1 - s0 + 1;
+    }
+  };
   for (std::int32_t t0 = 0; t0 < n; t0 += kResidualTile) {
     const std::int32_t nt = std::min(kResidualTile, n - t0);
+    std::int64_t per_step = 0;  // lines per score or V step: the next tile spread over this one
+    if (t0 + kResidualTile < n) {
+      plan_prefetch(t0 + kResidualTile);
+      const std::int64_t steps = static_cast<std::int64_t>(nh) * 2 * ((nt + NT - 1) / NT);
+      per_step = (pf.lines() + steps - 1) / steps;
+    } else {
+      pf.reset();
+    }
     for (std::int32_t hi = 0; hi < nh; ++hi) {
       const std::int32_t h = h0 + hi;
       std::int32_t pi = t0 / old.page_size, slot = t0 % old.page_size;
@@ -508,17 +632,17 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
         const std::int32_t page = old.page_id(b, pi), run = std::min(nt - j, old.page_size - slot);
         const T* kx = old.k_data + old.k_offset(page, slot, h);
         const T* vx = old.v_data + old.v_offset(page, slot, h);
-        const std::int64_t row = res.row(page, slot, h);
-        const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
-        const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
-        const float* sk = res.scales + 2 * row;
+        const std::uint8_t* kc = res.k_row(page, slot, h);
+        const std::uint8_t* vc = res.v_row(page, slot, h);
+        const std::uint8_t* ks = reinterpret_cast<const std::uint8_t*>(res.k_scale(page, slot, h));
+        const std::uint8_t* vs = reinterpret_cast<const std::uint8_t*>(res.v_scale(page, slot, h));
         for (std::int32_t i = 0; i < run; ++i, ++j) {
           kr.x[j] = kx + i * kst;
-          kr.c[j] = kc + i * rst * res.k_bytes;
-          kr.s[j] = sk + 2 * i * rst;
+          kr.c[j] = kc + i * krs;
+          kr.s[j] = reinterpret_cast<const float*>(ks + i * krs);
           vr.x[j] = vx + i * vst;
-          vr.c[j] = vc + i * rst * res.v_bytes;
-          vr.s[j] = sk + 2 * i * rst + 1;
+          vr.c[j] = vc + i * vrs;
+          vr.s[j] = reinterpret_cast<const float*>(vs + i * vrs);
         }
         ++pi;
         slot = 0;
@@ -528,8 +652,10 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
         constexpr int NG = decltype(ng)::value;
         const std::int32_t i = i0 + g0;
         std::int32_t j = 0;
-        for (; j + NT <= nt; j += NT)
+        for (; j + NT <= nt; j += NT) {
+          pf.issue(per_step);
           residual_score_block<kBits, NG, NT>(qs + i * qw, qw, kr, j, rk, nk, sc + i * kResidualTile);
+        }
         for (; j < nt; ++j) residual_score_block<kBits, NG, 1>(qs + i * qw, qw, kr, j, rk, nk, sc + i * kResidualTile);
       });
       for (std::int32_t i = i0; i < i0 + G; ++i)
@@ -538,8 +664,10 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
         constexpr int NG = decltype(ng)::value;
         const std::int32_t i = i0 + g0;
         std::int32_t j = 0;
-        for (; j + NT <= nt; j += NT)
+        for (; j + NT <= nt; j += NT) {
+          pf.issue(per_step);
           residual_accum_block<kBits, NG, NT>(acc + i * aw, aw, sc + i * kResidualTile, vr, j, rv, nv);
+        }
         for (; j < nt; ++j) residual_accum_block<kBits, NG, 1>(acc + i * aw, aw, sc + i * kResidualTile, vr, j, rv, nv);
       });
     }

@@ -76,13 +76,12 @@ __global__ void kvchan_residual_pack_kernel(PagedKVView<T> full, channel::Residu
     const std::int64_t th = i >> 1;
     const std::int32_t t = static_cast<std::int32_t>(th / H), h = static_cast<std::int32_t>(th % H);
     const std::int32_t src = src_pages[t / P], dst = dst_pages[t / P], s = t % P;
-    const std::int64_t row = res.row(dst, s, h);
     if (which == 0)
       quantize_row_dev(full.k_data + full.k_offset(src, s, h), k_channels + static_cast<std::int64_t>(h) * rk, rk,
-                       full.head_dim, res.bits, res.k_codes + row * res.k_bytes, res.scales + 2 * row);
+                       full.head_dim, res.bits, res.k_row(dst, s, h), res.k_scale(dst, s, h));
     else
       quantize_row_dev(full.v_data + full.v_offset(src, s, h), v_channels + static_cast<std::int64_t>(h) * rv, rv,
-                       full.v_head_dim, res.bits, res.v_codes + row * res.v_bytes, res.scales + 2 * row + 1);
+                       full.v_head_dim, res.bits, res.v_row(dst, s, h), res.v_scale(dst, s, h));
   }
 }
 
@@ -110,9 +109,8 @@ __global__ void kvchan_residual_unpack_kernel(channel::ResidualView res, PagedKV
     const std::int32_t* ch = (k ? k_channels : v_channels) + static_cast<std::int64_t>(h) * r;
     const std::int32_t below = count_below(ch, r, d);
     if (below < r && ch[below] == d) continue;  // a selected dim: unpack_channel_pages writes it
-    const std::int64_t row = res.row(src, s, h);
-    const std::uint8_t* codes = k ? res.k_codes + row * res.k_bytes : res.v_codes + row * res.v_bytes;
-    const float v = res.scales[2 * row + (k ? 0 : 1)] *
+    const std::uint8_t* codes = k ? res.k_row(src, s, h) : res.v_row(src, s, h);
+    const float v = *(k ? res.k_scale(src, s, h) : res.v_scale(src, s, h)) *
                     static_cast<float>(channel::detail::residual_code(codes, d - below, res.bits));
     if (k)
       full.k_data[full.k_offset(dst, s, h) + d] = store_float<T>(v);
@@ -155,9 +153,8 @@ __global__ void kvchan_residual_attention_kernel(PagedKVView<T> old, channel::Re
       const std::int32_t page = old.page_id(b, t / old.page_size), slot = t % old.page_size;
       const T* kr = old.k_data + old.k_offset(page, slot, h);
       const T* vr = old.v_data + old.v_offset(page, slot, h);
-      const std::int64_t row = res.row(page, slot, h);
-      const std::uint8_t* kc = res.k_codes + row * res.k_bytes;
-      const std::uint8_t* vc = res.v_codes + row * res.v_bytes;
+      const std::uint8_t* kc = res.k_row(page, slot, h);
+      const std::uint8_t* vc = res.v_row(page, slot, h);
       float sel = 0.f, drop = 0.f;
       for (std::int32_t c = 0; c < rk; ++c) sel += sm_scale * load_float(qr[ks != nullptr ? ks[c] : c]) * load_float(kr[c]);
       for (std::int32_t d = 0, c = 0, j = 0; d < q_dim && rk < q_dim; ++d) {
@@ -167,7 +164,7 @@ __global__ void kvchan_residual_attention_kernel(PagedKVView<T> old, channel::Re
         }
         drop += sm_scale * load_float(qr[d]) * static_cast<float>(channel::detail::residual_code(kc, j++, res.bits));
       }
-      const float s = sel + res.scales[2 * row] * drop;
+      const float s = sel + *res.k_scale(page, slot, h) * drop;
       if (s > m) {
         const float a = m == -INFINITY ? 0.f : expf(m - s);
         l *= a;
@@ -176,7 +173,7 @@ __global__ void kvchan_residual_attention_kernel(PagedKVView<T> old, channel::Re
       }
       const float w = expf(s - m);
       l += w;
-      const float vsc = res.scales[2 * row + 1];
+      const float vsc = *res.v_scale(page, slot, h);
       for (std::int32_t d = 0, c = 0, j = 0; d < q_dim; ++d) {
         float v;
         if (vs == nullptr) {
