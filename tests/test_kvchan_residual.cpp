@@ -369,22 +369,22 @@ TEST_CASE("residual: bad bits, geometry and head dims are rejected naming the va
   CHECK(msg(s).find("999") != std::string::npos);
   // Strides: K records of 5 codes + scale take 12 bytes, 8 of them a page of 4 slots x 2
   // heads, 96 bytes; floats need multiples of 4.
+  auto rejects = [&](const channel::ResidualView& v, const std::string& expect) {
+    const Status st = channel::pack_residual_pages(exec::Host{1}, full, v, cc.kch.data(), cc.vch.data(), 3, 5,
+                                                   cc.full_pages.data(), cc.packed_pages.data(), cc.n_pages,
+                                                   cc.n_tokens);
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(msg(st).find(expect) != std::string::npos);
+  };
   for (std::int64_t stride : {92, 98}) {
     bad = ra.view;
     bad.page_stride = stride;
-    s = channel::pack_residual_pages(exec::Host{1}, full, bad, cc.kch.data(), cc.vch.data(), 3, 5,
-                                     cc.full_pages.data(), cc.packed_pages.data(), cc.n_pages, cc.n_tokens);
-    CHECK(s.code() == StatusCode::kInvalidArgument);
-    CHECK(msg(s).find("page stride " + std::to_string(stride) + " bytes: needs a multiple of 4, at least 96") !=
-          std::string::npos);
+    rejects(bad, "page stride " + std::to_string(stride) + " bytes: needs a multiple of 4, at least 96");
   }
   for (std::int64_t stride : {4, 14}) {
     bad = ra.view;
     bad.k_row_stride = stride;
-    s = channel::pack_residual_pages(exec::Host{1}, full, bad, cc.kch.data(), cc.vch.data(), 3, 5,
-                                     cc.full_pages.data(), cc.packed_pages.data(), cc.n_pages, cc.n_tokens);
-    CHECK(s.code() == StatusCode::kInvalidArgument);
-    CHECK(msg(s).find("row strides (" + std::to_string(stride) + ", 8) bytes") != std::string::npos);
+    rejects(bad, "row strides (" + std::to_string(stride) + ", 8) bytes");
   }
   CHECK(ra.bytes == bytes0);  // nothing written by any failed call
   // Head dims past the kernels' stack arrays.

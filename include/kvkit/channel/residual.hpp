@@ -589,7 +589,7 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   // per step (SpanPrefetch): with a sequence's pages scattered over the pool, as a
   // long-running pool leaves them, that took the kernel from 1.0-1.2x dense to 0.78-0.90x
   // on the AVX2 EPYC; a burst at the tile's start, tried before, gained nothing
-  // (bench/RESULTS.md, 2026-11-29 night and 2026-11-30).
+  // (bench/RESULTS.md, 2026-11-29 "night" and "late night").
   const std::int64_t kst = old.k_stride_token, vst = old.v_stride_token;  // per slot, elements
   const std::int64_t krs = res.num_kv_heads * res.k_row_stride, vrs = res.num_kv_heads * res.v_row_stride;  // bytes
   ResidualRows<T> kr, vr;
