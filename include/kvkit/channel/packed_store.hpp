@@ -3,10 +3,10 @@
 //
 // PackedPagePool: a policy-owned page pool (one array per layer of page blocks, each a
 // page's NHD K rows [page_size, Hkv, k_dim], V rows [page_size, Hkv, v_dim] and residual)
-// whose page ids are shared by all layers, like an engine's pool. The ChannelSelector keeps a sequence's tokens older than
-// the full-width window in pages of such a pool with k_dim = rK, v_dim = rV, so their
-// bytes are rK/D and rV/D of the full-width bytes (the engine's full-width pages of those
-// tokens are given back to the engine). bytes_in_use() counts the pages handed out; the
+// whose page ids are shared by all layers, like an engine's pool. The ChannelSelector
+// keeps a sequence's tokens older than the full-width window in pages of such a pool with
+// k_dim = rK, v_dim = rV, so their bytes are rK/D and rV/D of the full-width bytes (the
+// engine's full-width pages of those tokens are given back to the engine). bytes_in_use() counts the pages handed out; the
 // pool grows by doubling and never shrinks its capacity (capacity_bytes()).
 //
 // channel_attention: decode attention over an old part (packed pages read with the
@@ -104,10 +104,6 @@ class PackedPagePool {
   /// Bytes of one page id over all layers: K and V rows and, with a residual, the codes
   /// and scales, with the 0-3 bytes that align each scale and the records.
   std::int64_t page_bytes() const { return block_ * layers_; }
-  /// Residual bytes of one (token, head): K and V codes plus two float scales (0: none).
-  std::int64_t residual_row_bytes() const {
-    return rbits_ == 0 ? 0 : kbytes_ + vbytes_ + 2 * static_cast<std::int64_t>(sizeof(float));
-  }
   std::int32_t residual_bits() const { return rbits_; }
   /// The residual rows of one layer (residual_bits() must be non-zero).
   ResidualView residual(std::int32_t layer) {
