@@ -97,33 +97,27 @@ PackCase<T> make_pack_case(std::int32_t heads, std::int32_t k_dim, std::int32_t 
 }
 
 /// Residual rows of one layer (channel/residual.hpp) as a pool lays them out, without
-/// the packed rows: per page, K records [page_size, heads] then V records, a record its
-/// codes and then its scale (residual_record with no lead). Host-owned, filled with random
-/// codes and scales so rows a call must not touch stay detectable; `view` points at them.
+/// the packed rows: blocks of residual_block(0, ...), per page K records [page_size,
+/// heads] then V records, a record its codes and then its scale. Host-owned, filled with
+/// random codes and scales so rows a call must not touch stay detectable; `view` points
+/// at them.
 struct ResidualCase {
-  std::vector<std::uint8_t> bytes;  // [pages, page_size * heads * (krec.bytes + vrec.bytes)] (+1)
-  channel::ResidualRecord krec, vrec;
-  std::int64_t v_base = 0;  // byte offset of a page's V records
+  std::vector<std::uint8_t> bytes;  // [pages, block.end] (+1)
+  channel::ResidualBlock block;
   channel::ResidualView view;
   ResidualCase(std::int32_t bits, std::int32_t heads, std::int32_t page_size, std::int32_t pages,
                std::int32_t n_drop_k, std::int32_t n_drop_v, std::mt19937_64& rng) {
-    const std::int32_t kb = channel::residual_code_bytes(n_drop_k, bits);
-    const std::int32_t vb = channel::residual_code_bytes(n_drop_v, bits);
-    krec = channel::residual_record(0, kb);
-    vrec = channel::residual_record(0, vb);
-    const std::int64_t rows = static_cast<std::int64_t>(page_size) * heads, stride = rows * (krec.bytes + vrec.bytes);
-    v_base = rows * krec.bytes;
-    bytes.resize(static_cast<std::size_t>(pages * stride) + 1);
+    block = channel::residual_block(0, bits, page_size, heads, n_drop_k, n_drop_v);
+    const std::int64_t rows = static_cast<std::int64_t>(page_size) * heads;
+    bytes.resize(static_cast<std::size_t>(pages * block.end) + 1);
     for (auto& x : bytes) x = static_cast<std::uint8_t>(rng());
     for (std::int64_t r = 0; r < pages * rows; ++r) {  // scales: finite random floats
       const std::vector<float> sc = random_vector<float>(2, rng);
-      std::uint8_t* page = bytes.data() + r / rows * stride;
-      std::memcpy(page + r % rows * krec.bytes + krec.scale, &sc[0], 4);
-      std::memcpy(page + v_base + r % rows * vrec.bytes + vrec.scale, &sc[1], 4);
+      std::uint8_t* page = bytes.data() + r / rows * block.end;
+      std::memcpy(page + block.k_records + r % rows * block.k_record + block.k_scale, &sc[0], 4);
+      std::memcpy(page + block.v_records + r % rows * block.v_record + block.v_scale, &sc[1], 4);
     }
-    view = {bytes.data() + krec.codes, bytes.data() + v_base + vrec.codes,
-            reinterpret_cast<float*>(bytes.data() + krec.scale), reinterpret_cast<float*>(bytes.data() + v_base + vrec.scale),
-            stride, krec.bytes, vrec.bytes, bits, kb, vb, page_size, heads, pages};
+    view = block.view(bytes.data(), pages);
   }
 };
 

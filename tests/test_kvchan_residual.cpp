@@ -55,15 +55,23 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
   auto packed = c.packed_view(c.pk.data(), c.pv.data());
   test::ResidualCase ra(bits, c.heads, c.page_size, c.packed_g.num_pages, c.k_dim - c.rk, c.v_dim - c.rv, rng);
   const std::vector<std::uint8_t> bytes0 = ra.bytes;
-  // The documented record: codes, then the scale at the next multiple of 4.
-  const std::int64_t kb = ra.view.k_bytes;
-  CHECK(ra.krec.codes == 0);
-  CHECK(ra.krec.scale == (kb + 3) / 4 * 4);
-  CHECK(ra.krec.bytes == ra.krec.scale + 4);
-  CHECK(ra.vrec.scale == (ra.view.v_bytes + 3) / 4 * 4);
-  CHECK(channel::residual_record(6, 5).codes == 6);  // a 3-half row, then 5 code bytes: scale at 12
-  CHECK(channel::residual_record(6, 5).scale == 12);
-  CHECK(channel::residual_record(6, 5).bytes == 16);
+  // The documented block: K records from 0, then V records; a record its codes, then the
+  // scale at the next multiple of 4.
+  const std::int64_t kb = ra.view.k_bytes, rows = static_cast<std::int64_t>(c.page_size) * c.heads;
+  CHECK(ra.block.k_records == 0);
+  CHECK(ra.block.k_scale == (kb + 3) / 4 * 4);
+  CHECK(ra.block.k_record == ra.block.k_scale + 4);
+  CHECK(ra.block.v_scale == (ra.view.v_bytes + 3) / 4 * 4);
+  CHECK(ra.block.v_records == rows * ra.block.k_record);
+  CHECK(ra.block.end == ra.block.v_records + rows * ra.block.v_record);
+  // After a 6-byte lead (1 slot x 1 head x 3 halves), 5 code bytes at 8 bits: K records
+  // from 8, the scale at 8 of 12 bytes, a V record (no codes) its scale alone.
+  const channel::ResidualBlock led = channel::residual_block(6, 8, 1, 1, 5, 0);
+  CHECK(led.k_records == 8);
+  CHECK(led.k_scale == 8);
+  CHECK(led.k_record == 12);
+  CHECK(led.v_records == 20);
+  CHECK(led.end == 24);
   REQUIRE(channel::pack_channel_pages(ex, full, packed, c.kch.data(), c.vch.data(), c.full_pages.data(),
                                       c.packed_pages.data(), c.n_pages, c.n_tokens)
               .is_ok());
@@ -87,11 +95,12 @@ void check_residual_round_trip(const PackCase<T>& c0, std::int32_t bits, exec::H
         // The documented layout: page dst's K (or V) records, record slot * heads + h.
         const std::int64_t row = static_cast<std::int64_t>(slot) * c.heads + h;
         const std::uint8_t* rec = ra.bytes.data() + dst * ra.view.page_stride +
-                                  (k ? row * ra.krec.bytes : ra.v_base + row * ra.vrec.bytes);
+                                  (k ? ra.block.k_records + row * ra.block.k_record
+                                     : ra.block.v_records + row * ra.block.v_record);
         float s_got = 0.f;
-        std::memcpy(&s_got, rec + (k ? ra.krec.scale : ra.vrec.scale), 4);
+        std::memcpy(&s_got, rec + (k ? ra.block.k_scale : ra.block.v_scale), 4);
         CHECK(s_got == s);
-        const std::uint8_t* bytes = rec + (k ? ra.krec.codes : ra.vrec.codes);
+        const std::uint8_t* bytes = rec;  // codes first in a record
         for (std::size_t j = 0; j < drop.size(); ++j) {
           std::int32_t got = bits == 8 ? static_cast<std::int8_t>(bytes[j])
                                        : (bytes[j / 2] >> ((j % 2) * 4)) & 0xF;

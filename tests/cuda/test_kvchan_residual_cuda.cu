@@ -28,16 +28,6 @@ using kvkit::test::Stream;
 
 namespace {
 
-// hp's view over a device copy of its page blocks.
-channel::ResidualView device_view(const test::ResidualCase& hp, std::uint8_t* d) {
-  channel::ResidualView v = hp.view;
-  v.k_codes = d + hp.krec.codes;
-  v.v_codes = d + hp.v_base + hp.vrec.codes;
-  v.k_scales = reinterpret_cast<float*>(d + hp.krec.scale);
-  v.v_scales = reinterpret_cast<float*>(d + hp.v_base + hp.vrec.scale);
-  return v;
-}
-
 template <class T>
 void check_parity(const PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng) {
   PackCase<T> c = c0;
@@ -45,7 +35,7 @@ void check_parity(const PackCase<T>& c0, std::int32_t bits, std::mt19937_64& rng
   DeviceBuffer<T> fk(c.fk), fv(c.fv);
   DeviceBuffer<std::uint8_t> dbytes(hp.bytes);
   DeviceBuffer<std::int32_t> kch(c.kch), vch(c.vch), fp(c.full_pages), pp(c.packed_pages);
-  const channel::ResidualView dres = device_view(hp, dbytes.get());
+  const channel::ResidualView dres = hp.block.view(dbytes.get(), hp.view.num_pages_total);
   Stream st;
   const exec::Host host{1};
   REQUIRE(channel::pack_residual_pages(host, c.full_view(c.fk.data(), c.fv.data()), hp.view, c.kch.data(),
@@ -151,7 +141,7 @@ TEST_CASE("CUDA residual: a bad channel id is recorded and nothing is written", 
   std::vector<std::int32_t> kch = c.kch;
   kch[1] = 99;
   DeviceBuffer<std::int32_t> dkch(kch), dvch(c.vch), fp(c.full_pages), pp(c.packed_pages);
-  const channel::ResidualView dres = device_view(hp, dbytes.get());
+  const channel::ResidualView dres = hp.block.view(dbytes.get(), hp.view.num_pages_total);
   Stream st;
   KVKIT_REQUIRE_OK(channel::pack_residual_pages(st.exec(), c.full_view(fk.get(), fv.get(), MemorySpace::kCuda), dres,
                                                 dkch.get(), dvch.get(), 3, 5, fp.get(), pp.get(), c.n_pages,

@@ -45,7 +45,7 @@ namespace channel {
 /// one array per layer, page ids shared by the layers (see the file comment). Each layer
 /// keeps a page in one block, page p at p * page stride: K rows [page_size, Hkv, k_dim],
 /// V rows [page_size, Hkv, v_dim] and, with a residual, K records [page_size, Hkv] and V
-/// records [page_size, Hkv], a record a row's codes and its scale (residual_record). A
+/// records [page_size, Hkv], a record a row's codes and its scale (ResidualBlock). A
 /// sequence's pages come in any order after interleaved packing and releases; a block per
 /// page keeps each page's parts together so that its next page can be prefetched as one
 /// span (residual_channel_attention).
@@ -69,11 +69,8 @@ class PackedPagePool {
     if (rbits_ != 0) {
       KVKIT_CHECK(full_k_dim >= k_dim && full_v_dim >= v_dim, "kvchan: residual full dims (", full_k_dim, ", ",
                   full_v_dim, ") below the packed dims (", k_dim, ", ", v_dim, ")");
-      kbytes_ = residual_code_bytes(full_k_dim - k_dim, rbits_);
-      vbytes_ = residual_code_bytes(full_v_dim - v_dim, rbits_);
-      kres_ = (block_ + 3) / 4 * 4;
-      vres_ = kres_ + rows * residual_record(0, kbytes_).bytes;
-      block_ = vres_ + rows * residual_record(0, vbytes_).bytes;
+      res_ = residual_block(block_, rbits_, page_size_, heads_, full_k_dim - k_dim, full_v_dim - v_dim);
+      block_ = res_.end;
     }
     blocks_.resize(static_cast<std::size_t>(layers_));
   }
@@ -108,16 +105,7 @@ class PackedPagePool {
   /// The residual rows of one layer (residual_bits() must be non-zero).
   ResidualView residual(std::int32_t layer) {
     KVKIT_CHECK(rbits_ != 0, "kvchan: this pool keeps no residual");
-    const ResidualRecord kr = residual_record(0, kbytes_), vr = residual_record(0, vbytes_);
-    ResidualView r{nullptr, nullptr, nullptr, nullptr, block_, kr.bytes, vr.bytes, rbits_, kbytes_, vbytes_,
-                   page_size_, heads_, std::max(1, capacity_)};
-    std::uint8_t* b = bytes(layer);
-    if (b == nullptr) return r;  // no page yet: null rows, which the kernels' checks reject
-    r.k_codes = b + kres_ + kr.codes;
-    r.v_codes = b + vres_ + vr.codes;
-    r.k_scales = reinterpret_cast<float*>(b + kres_ + kr.scale);
-    r.v_scales = reinterpret_cast<float*>(b + vres_ + vr.scale);
-    return r;
+    return res_.view(bytes(layer), std::max(1, capacity_));
   }
   std::int64_t bytes_in_use() const { return page_bytes() * in_use_; }
   std::int64_t peak_bytes() const { return page_bytes() * peak_; }
@@ -164,9 +152,9 @@ class PackedPagePool {
   }
 
   std::int32_t layers_, heads_, kdim_, vdim_, page_size_;
-  std::int32_t rbits_ = 0, kbytes_ = 0, vbytes_ = 0;  // residual bits, code bytes per K / V row
-  std::int64_t kres_ = 0, vres_ = 0;  // byte offsets of the K / V residual records in a block
-  std::int64_t block_ = 0;            // bytes of one page of one layer
+  std::int32_t rbits_ = 0;  // residual bits (0: none)
+  ResidualBlock res_;       // where a block keeps its residual (rbits_ != 0)
+  std::int64_t block_ = 0;  // bytes of one page of one layer
   std::vector<std::vector<Line>> blocks_;               // [n_layers][capacity * block_ bytes, rounded up]
   std::vector<std::int32_t> free_;
   std::int32_t capacity_ = 0, in_use_ = 0, peak_ = 0;

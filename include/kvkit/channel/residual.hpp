@@ -64,7 +64,7 @@ KVKIT_HOST_DEVICE std::int32_t residual_code_bytes(std::int32_t n, std::int32_t 
 /// (page, slot, head) has k_bytes K code bytes at k_codes + page * page_stride + (slot *
 /// num_kv_heads + head) * k_row_stride and its float K scale at the same offset from
 /// k_scales; V likewise with v_codes, v_scales and v_row_stride (offsets in bytes). A
-/// PackedPagePool keeps them as records (codes, then the scale: residual_record) in the
+/// PackedPagePool keeps them as records (codes, then the scale: ResidualBlock) in the
 /// page's block, after its packed rows (packed_store.hpp), so a page is one span of memory
 /// to prefetch; separate arrays work as well.
 struct ResidualView {
@@ -102,18 +102,49 @@ struct ResidualView {
   }
 };
 
-/// A residual record: `lead` bytes of other data (a pool's packed row; 0: none), the
-/// code bytes, then the float scale at the next multiple of 4. Offsets of the codes and
-/// the scale, and the record's bytes (a multiple of 4, so records of 2- and 4-byte
-/// elements stay aligned).
-struct ResidualRecord {
-  std::int64_t codes = 0, scale = 0, bytes = 0;
+/// Where a page block keeps its residual: after `lead` bytes (the page's packed rows; 0:
+/// none) rounded up to 4, K records [page_size, Hkv], then V records [page_size, Hkv]; a
+/// record is a row's codes, then its float scale at the next multiple of 4, so records
+/// stay aligned. PackedPagePool lays out its pages so; view() describes `pages` such
+/// blocks one after the other.
+struct ResidualBlock {
+  std::int64_t k_records = 0, v_records = 0;  // byte offsets of the K / V records in a block
+  std::int64_t k_record = 0, v_record = 0;    // bytes of one K / V record
+  std::int64_t k_scale = 0, v_scale = 0;      // byte offset of the scale in a K / V record
+  std::int64_t end = 0;                       // bytes of a block
+  std::int32_t bits = 0, k_bytes = 0, v_bytes = 0, page_size = 0, num_kv_heads = 0;
+
+  /// The residual of `pages` blocks from `base` (nullptr: null parts, which the kernels'
+  /// checks reject).
+  ResidualView view(std::uint8_t* base, std::int32_t pages) const {
+    ResidualView r{nullptr, nullptr, nullptr, nullptr, end, k_record, v_record, bits, k_bytes, v_bytes,
+                   page_size, num_kv_heads, pages};
+    if (base == nullptr) return r;
+    r.k_codes = base + k_records;
+    r.v_codes = base + v_records;
+    r.k_scales = reinterpret_cast<float*>(base + k_records + k_scale);
+    r.v_scales = reinterpret_cast<float*>(base + v_records + v_scale);
+    return r;
+  }
 };
-KVKIT_HOST_DEVICE ResidualRecord residual_record(std::int64_t lead, std::int32_t code_bytes) {
-  ResidualRecord r;
-  r.codes = lead;
-  r.scale = (lead + code_bytes + 3) / 4 * 4;
-  r.bytes = r.scale + 4;
+/// The residual block of rows that drop n_drop_k K and n_drop_v V dims at `bits` bits.
+inline ResidualBlock residual_block(std::int64_t lead, std::int32_t bits, std::int32_t page_size,
+                                    std::int32_t heads, std::int32_t n_drop_k, std::int32_t n_drop_v) {
+  auto up4 = [](std::int64_t x) { return (x + 3) / 4 * 4; };
+  const std::int64_t rows = static_cast<std::int64_t>(page_size) * heads;
+  ResidualBlock r;
+  r.bits = bits;
+  r.k_bytes = residual_code_bytes(n_drop_k, bits);
+  r.v_bytes = residual_code_bytes(n_drop_v, bits);
+  r.page_size = page_size;
+  r.num_kv_heads = heads;
+  r.k_scale = up4(r.k_bytes);
+  r.v_scale = up4(r.v_bytes);
+  r.k_record = r.k_scale + 4;
+  r.v_record = r.v_scale + 4;
+  r.k_records = up4(lead);
+  r.v_records = r.k_records + rows * r.k_record;
+  r.end = r.v_records + rows * r.v_record;
   return r;
 }
 
@@ -372,9 +403,7 @@ struct SpanPrefetch {
   /// Prefetches up to `count` more lines.
   void issue(std::int64_t count) {
     for (; count > 0 && cur < n; --count) {
-#if defined(__GNUC__) || defined(__clang__)
-      __builtin_prefetch(at, 0, 2);  // x86: prefetcht1 (L2), as the dense kernel
-#endif
+      kvkit::detail::prefetch_line_l2(at);  // L2, as the dense kernel
       if (end[cur] - at > 64)
         at += 64;
       else if (++cur < n)
@@ -596,16 +625,16 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   SpanPrefetch pf;
   // The next tile's spans for heads [h0, h0 + nh): per page run, its K and V rows, codes
   // and scales from the first (slot, head) to the last.
+  auto span = [&](const void* first, const void* last, std::int64_t last_bytes) {
+    const char* f = static_cast<const char*>(first);
+    pf.add(f, static_cast<const char*>(last) - f + last_bytes);
+  };
   auto plan_prefetch = [&](std::int32_t t1) {
     pf.reset();
     const std::int32_t e1 = std::min(n, t1 + kResidualTile), hl = h0 + nh - 1;
     for (std::int32_t t = t1; t < e1;) {
       const std::int32_t page = old.page_id(b, t / old.page_size), s0 = t % old.page_size;
       const std::int32_t s1 = std::min(old.page_size, s0 + (e1 - t)) - 1;  // last slot
-      auto span = [&](const void* first, const void* last, std::int64_t last_bytes) {
-        const char* f = static_cast<const char*>(first);
-        pf.add(f, static_cast<const char*>(last) - f + last_bytes);
-      };
       span(old.k_data + old.k_offset(page, s0, h0), old.k_data + old.k_offset(page, s1, hl), rk * sizeof(T));
       span(old.v_data + old.v_offset(page, s0, h0), old.v_data + old.v_offset(page, s1, hl), rv * sizeof(T));
       span(res.k_row(page, s0, h0), res.k_row(page, s1, hl), res.k_bytes);
@@ -617,13 +646,11 @@ void residual_attention_item(const PagedKVView<T>& old, const ResidualView& res,
   };
   for (std::int32_t t0 = 0; t0 < n; t0 += kResidualTile) {
     const std::int32_t nt = std::min(kResidualTile, n - t0);
-    std::int64_t per_step = 0;  // lines per score or V step: the next tile spread over this one
+    std::int64_t per_step = 0;  // lines per score or V step: the next tile spread over this one (last tile: none)
     if (t0 + kResidualTile < n) {
       plan_prefetch(t0 + kResidualTile);
       const std::int64_t steps = static_cast<std::int64_t>(nh) * 2 * ((nt + NT - 1) / NT);
       per_step = (pf.lines() + steps - 1) / steps;
-    } else {
-      pf.reset();
     }
     for (std::int32_t hi = 0; hi < nh; ++hi) {
       const std::int32_t h = h0 + hi;

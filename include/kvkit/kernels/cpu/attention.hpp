@@ -207,18 +207,10 @@ inline void prefetch_row(const T* row, std::size_t bytes) {
 template <class T>
 inline void prefetch_rows(const T* const* rows, std::int32_t n, std::int32_t j, std::int32_t count,
                           std::size_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
   for (std::int32_t e = std::min(n, j + count); j < e; ++j) {
     const char* c = reinterpret_cast<const char*>(rows[j]);
-    for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // x86: prefetcht1
+    for (std::size_t o = 0; o < bytes; o += 64) detail::prefetch_line_l2(c + o);
   }
-#else
-  (void)rows;
-  (void)n;
-  (void)j;
-  (void)count;
-  (void)bytes;
-#endif
 }
 
 /// Rows of the following tile to prefetch while this one is processed: K rows during the

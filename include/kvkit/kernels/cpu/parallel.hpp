@@ -91,6 +91,16 @@ inline void prefetch_bytes(const void* p,  // [bytes]
 #endif
 }
 
+/// Hints the cache to load the line at p into L2, not L1: an L1 prefetch holds one of the
+/// core's few L1 miss buffers until its line arrives (kernels/cpu/attention.hpp).
+inline void prefetch_line_l2(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);  // x86: prefetcht1
+#else
+  (void)p;
+#endif
+}
+
 /// Incremental page lookup within one sequence: maps a token to (page id, slot) with a
 /// division and a page-table load only when the token leaves the page of the previous
 /// lookup, so walks over nearby tokens cost an add and a compare per row.
